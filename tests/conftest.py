@@ -11,7 +11,7 @@ def tiny_config(arch: str):
     """Small configs of the three embedded architectures (llama, qwen2, gemma3 with a sliding window of 8)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2)
     if arch == "llama":
@@ -49,14 +49,15 @@ def tiny(request):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    """A fast word-piece-free BPE tokenizer trained in-process (offsets work, no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """A fast byte-level BPE tokenizer (320 tokens) trained in-process (offsets work, no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=96, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = ["the cat sat on the mat", "a dog ran in the park", "where did the cat sit"] * 20
     tok.train_from_iterator(text, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",

@@ -20,7 +20,7 @@ def _forward(model, ids, cache=None, position_ids=None):
 def test_roundtrip_equals_full_forward(tiny):
     """Prefill 20 tokens (crosses gemma3's window of 8), round-trip through segments, continue with 5 tokens."""
     arch, model, geometry = tiny
-    ids = torch.randint(3, 96, (25,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 320, (25,), generator=torch.Generator().manual_seed(1))
     reference, _ = _forward(model, ids)
     _, cache = _forward(model, ids[:20])
     segment = KVSegment.from_cache(cache, geometry, token_ids=ids[:20])
@@ -50,7 +50,7 @@ def test_sliding_layers_store_only_the_window(tiny):
 def test_rebuild_at_other_positions(tiny):
     """A segment computed at positions 0.. and rebuilt at 7.. equals a forward pass run at positions 7.."""
     arch, model, geometry = tiny
-    ids = torch.randint(3, 96, (16,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 320, (16,), generator=torch.Generator().manual_seed(2))
     shifted = torch.arange(7, 7 + 16)
     reference, _ = _forward(model, ids, position_ids=shifted)
     _, cache = _forward(model, ids[:12])
@@ -62,7 +62,7 @@ def test_rebuild_at_other_positions(tiny):
 def test_corrupted_segment_changes_the_output():
     model = tiny_model("llama")
     geometry = geometry_from_config(model.config)
-    ids = torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 320, (20,), generator=torch.Generator().manual_seed(3))
     reference, _ = _forward(model, ids)
     _, cache = _forward(model, ids[:16])
     seg = KVSegment.from_cache(cache, geometry)

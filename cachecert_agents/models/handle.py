@@ -262,8 +262,8 @@ class ModelHandle:
     def capture_qk(self, layers: list[int] | None = None) -> Iterator[QKCapture]:
         """Record pre-RoPE queries and keys of the given layers (all by default) during forward calls.
 
-        Hooks the attention module's ``q_norm``/``k_norm`` where present (Gemma 3: keys are normed before RoPE),
-        else ``q_proj``/``k_proj`` (reshaped to heads).
+        Hooks ``q_proj``/``k_proj`` (reshaped to heads) and applies the attention's own ``q_norm``/``k_norm``
+        where present (Gemma 3 norms queries and keys before RoPE).
         """
         capture = QKCapture()
         geo = self.geometry
@@ -274,15 +274,14 @@ class ModelHandle:
                 continue
             for kind, store, heads in (("q", capture.queries, geo.num_heads), ("k", capture.keys, geo.num_kv_heads)):
                 norm = getattr(attn, f"{kind}_norm", None)
-                module = norm if norm is not None else getattr(attn, f"{kind}_proj")
 
-                def hook(_m, _inp, out, idx=idx, store=store, heads=heads, normed=norm is not None):
-                    x = out
-                    if not normed:  # [b, n, heads*d]
-                        x = x.view(x.shape[0], x.shape[1], heads, geo.head_dim)
+                def hook(_m, _inp, out, store=store, heads=heads, norm=norm, idx=idx):
+                    x = out.view(out.shape[0], out.shape[1], heads, geo.head_dim)  # [b, n, heads, d]
+                    if norm is not None:  # the model's own per-head norm, applied before RoPE
+                        x = norm(x)
                     store.setdefault(idx, []).append(x.transpose(1, 2).detach().clone())
 
-                handles.append(module.register_forward_hook(hook))
+                handles.append(getattr(attn, f"{kind}_proj").register_forward_hook(hook))
         try:
             yield capture
         finally:

@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   creates .venv, installs, fetches the default embedded models, runs the main job
+#   make test   creates .venv if missing, installs with test extras, runs pytest
+# Torch is installed pinned first (a CPU wheel on these machines), so no multi-GB CUDA build is pulled.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test install venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+venv: $(PY)
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/cachecert demo
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
