@@ -3,7 +3,7 @@
     cachecert models list [--json]
     cachecert models install NAME [NAME ...] | all [--force]
     cachecert models remove NAME
-    cachecert kv-check --model NAME [--context-tokens N] [--json]
+    cachecert kv-check --model NAME [--model NAME ...] [--context-tokens N] [--out FILE] [--json]
     cachecert demo
 
 With ``--json`` the last line of stdout is one JSON object (or list); logs go to stderr.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -104,16 +105,47 @@ def _cmd_kv_check(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.kv_check import kv_check
     from cachecert_agents.models.handle import ModelHandle
 
-    handle = ModelHandle.load(args.model, device=args.device)
-    result = kv_check(handle, context_tokens=args.context_tokens)
-    ok = result["max_abs_logit_diff"] <= args.tolerance
-    result["tolerance"] = args.tolerance
-    result["passed"] = ok
-    text = (f"{result['model']}: context {result['context_tokens']} tokens; round-trip max |dlogit| "
-            f"{result['max_abs_logit_diff']:.2e} ({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g}); "
-            f"corrupted cache {result['corrupted_max_abs_logit_diff']:.2f}")
-    _emit(result, args.json, text)
-    return 0 if ok else 1
+    results = []
+    for name in args.model:
+        handle = ModelHandle.load(name, device=args.device)
+        result = kv_check(handle, context_tokens=args.context_tokens)
+        result["tolerance"] = args.tolerance
+        result["passed"] = result["max_abs_logit_diff"] <= args.tolerance
+        results.append(result)
+        del handle
+        if not args.json:
+            print(f"{result['model']}: context {result['context_tokens']} tokens; round-trip max |dlogit| "
+                  f"{result['max_abs_logit_diff']:.2e} ({'ok' if result['passed'] else 'FAILED'}, tolerance "
+                  f"{args.tolerance:g}); corrupted cache {result['corrupted_max_abs_logit_diff']:.2f}")
+    if args.out:
+        write_result_file(args.out, results)
+    _emit(results[0] if len(results) == 1 else {"results": results}, args.json)
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+def write_result_file(path: str, results: Any) -> None:
+    """Write results with the command that produced them, the date and the library/torch versions."""
+    import datetime
+    import platform
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": "cachecert " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"cachecert_agents": __version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "results": results,
+    }
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, out)
+    logger.info("wrote %s", out)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -161,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_models_remove)
 
     p = sub.add_parser("kv-check", help="exact KV cache round trip on a real model")
-    p.add_argument("--model", required=True, help="embedded model name, local directory or Hugging Face id")
+    p.add_argument("--model", required=True, action="append",
+                   help="embedded model name, local directory or Hugging Face id (repeat for several)")
+    p.add_argument("--out", help="also write the results, with this command, to a JSON file")
     p.add_argument("--context-tokens", type=int, default=640)
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--device", default="cpu")

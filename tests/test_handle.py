@@ -64,7 +64,7 @@ def test_stop_strings_cut_the_text(handle):
 
 def test_capture_qk_gives_pre_rope_keys(handle):
     ids = torch.arange(3, 23)
-    with handle.capture_qk() as cap:
+    with handle.capture_qk(values=True) as cap:
         out = handle.forward(ids)
     geo = handle.geometry
     for layer in range(geo.num_layers):
@@ -75,6 +75,7 @@ def test_capture_qk_gives_pre_rope_keys(handle):
         n = cached.shape[-2]
         cos, sin = rope_tables(geo.rope_for_layer(layer), torch.arange(20 - n, 20))
         assert torch.allclose(apply_rope(k[:, :, -n:], cos, sin), cached, atol=1e-5)
+        assert torch.allclose(cap.value(layer)[:, :, -n:], out.cache.layers[layer].values, atol=1e-6)
 
 
 def test_attention_weights_on_request(handle):

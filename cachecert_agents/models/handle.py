@@ -72,17 +72,21 @@ class Generation:
 
 @dataclass
 class QKCapture:
-    """Pre-RoPE queries ``[batch, heads, n, head_dim]`` and keys ``[batch, kv_heads, n, head_dim]`` per layer,
-    appended per forward call (after q/k norms where the model has them, before rotation)."""
+    """Pre-RoPE queries ``[batch, heads, n, head_dim]``, keys and values ``[batch, kv_heads, n, head_dim]`` per
+    layer, appended per forward call (after q/k norms where the model has them, before rotation)."""
 
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     keys: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    values: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def query(self, layer: int) -> torch.Tensor:
         return torch.cat(self.queries[layer], dim=2)
 
     def key(self, layer: int) -> torch.Tensor:
         return torch.cat(self.keys[layer], dim=2)
+
+    def value(self, layer: int) -> torch.Tensor:
+        return torch.cat(self.values[layer], dim=2)
 
 
 class ModelHandle:
@@ -139,11 +143,20 @@ class ModelHandle:
         offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
         return torch.tensor(enc["input_ids"], dtype=torch.long), offsets
 
+    @cached_property
+    def adds_bos(self) -> bool:
+        """Whether the tokenizer puts a BOS token in front of a sequence (read from its behaviour, not a flag)."""
+        bos_id = self.tokenizer.bos_token_id
+        if bos_id is None:
+            return False
+        with_special = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        return bool(with_special) and with_special[0] == bos_id
+
     def _prefix_ids(self, prefix_text: str) -> torch.Tensor:
         bos = self.tokenizer.bos_token
-        add_bos = bool(getattr(self.tokenizer, "add_bos_token", False)) and not (bos and prefix_text.startswith(bos))
+        add_bos = self.adds_bos and not (bos and prefix_text.startswith(bos))
         ids, _ = self.tokenize(prefix_text, add_special_tokens=False)
-        if add_bos and self.tokenizer.bos_token_id is not None:
+        if add_bos:
             ids = torch.cat([torch.tensor([self.tokenizer.bos_token_id]), ids])
         return ids
 
@@ -189,6 +202,8 @@ class ModelHandle:
         """
         if cache is None:
             cache = self.new_cache()
+        if input_ids.numel() == 0:  # e.g. the empty prefix of a base model without BOS
+            return ForwardOutput(torch.zeros(0, self.geometry.vocab_size), cache)
         ids = input_ids.reshape(1, -1).to(self.device)
         kwargs: dict[str, Any] = {"use_cache": True, "cache": cache, "logits_to_keep": logits_to_keep}
         if position_ids is not None:
@@ -259,20 +274,25 @@ class ModelHandle:
 
     # ------------------------------------------------------------------ hooks
     @contextlib.contextmanager
-    def capture_qk(self, layers: list[int] | None = None) -> Iterator[QKCapture]:
-        """Record pre-RoPE queries and keys of the given layers (all by default) during forward calls.
+    def capture_qk(self, layers: list[int] | None = None, queries: bool = True, keys: bool = True,
+                   values: bool = False) -> Iterator[QKCapture]:
+        """Record pre-RoPE queries and keys (and values, on request) of the given layers during forward calls.
 
-        Hooks ``q_proj``/``k_proj`` (reshaped to heads) and applies the attention's own ``q_norm``/``k_norm``
-        where present (Gemma 3 norms queries and keys before RoPE).
+        Hooks ``q_proj``/``k_proj``/``v_proj`` (reshaped to heads) and applies the attention's own
+        ``q_norm``/``k_norm`` where present (Gemma 3 norms queries and keys before RoPE). Unlike a cache, this
+        sees every token on sliding-window layers too.
         """
         capture = QKCapture()
         geo = self.geometry
         wanted = set(range(geo.num_layers)) if layers is None else set(layers)
+        kinds = [(k, store, h) for k, store, h, on in (
+            ("q", capture.queries, geo.num_heads, queries), ("k", capture.keys, geo.num_kv_heads, keys),
+            ("v", capture.values, geo.num_kv_heads, values)) if on]
         handles = []
         for idx, attn in enumerate(self._attention_modules()):
             if idx not in wanted:
                 continue
-            for kind, store, heads in (("q", capture.queries, geo.num_heads), ("k", capture.keys, geo.num_kv_heads)):
+            for kind, store, heads in kinds:
                 norm = getattr(attn, f"{kind}_norm", None)
 
                 def hook(_m, _inp, out, store=store, heads=heads, norm=norm, idx=idx):

@@ -1,0 +1,116 @@
+"""Apply a transfer: sender features for a context -> the receiver's cache for ``prefix + context``.
+
+Split transfer with receiver repair at split layer ``s`` (``0 <= s <= L``):
+
+- the receiver's own template prefix is exact (its prefill, cacheable once per receiver);
+- layers ``< s``: context keys/values predicted by the mapper (pre-RoPE), rotated with the receiver's RoPE at the
+  receiver's positions and written into the cache;
+- layers ``>= s``: the receiver computes them itself over the context, from the mapper's prediction of the residual
+  stream entering layer ``s`` (exact given that input);
+- ``s = L`` is a pure KV transfer (no receiver layer runs); ``s = 0`` is a full prefill (exact).
+
+The receiver's work avoided is about ``s / L`` of its context prefill; the result reports the measured time.
+The partial forward reuses the model's own forward (masks, sliding windows, positions) with the layers below
+``s`` temporarily replaced by stubs that write the mapped keys/values into the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from cachecert_agents.kv.rope import apply_rope, rope_tables
+from cachecert_agents.models.handle import ModelHandle, PromptSegments
+from cachecert_agents.transfer.features import (SenderFeatures, alignment_for, pool_to_receiver, unflatten_kv)
+from cachecert_agents.transfer.mappers import RidgeMapper
+
+
+@dataclass
+class TransferResult:
+    """The receiver's cache over ``prefix + context`` and the time the receiver spent (mapping + partial prefill,
+    seconds; the prefix prefill is not counted: it is cached per receiver)."""
+
+    cache: Any
+    split: int
+    transfer_s: float
+    coverage: dict | None = None
+
+
+class _MappedLayer(torch.nn.Module):
+    """Stands in for a decoder layer: writes precomputed keys/values into the cache, passes hidden states on
+    (or replaces them with ``output``: the mapped residual stream entering the split layer)."""
+
+    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, output: torch.Tensor | None):
+        super().__init__()
+        self.layer_idx, self.keys, self.values, self.output = layer_idx, keys, values, output
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache.update(self.keys, self.values, self.layer_idx)
+        return self.output.to(hidden_states.dtype) if self.output is not None else hidden_states
+
+
+@contextlib.contextmanager
+def _replaced_layers(model: Any, replacements: dict[int, torch.nn.Module]) -> Iterator[None]:
+    base = getattr(model, model.base_model_prefix, model)
+    original = {i: base.layers[i] for i in replacements}
+    try:
+        for i, module in replacements.items():
+            base.layers[i] = module
+        yield
+    finally:
+        for i, module in original.items():
+            base.layers[i] = module
+
+
+def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatures, layer: int,
+              alignment: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]``."""
+    geo = receiver.geometry
+    x = pool_to_receiver(features.select(mapper.sender_layers(f"kv:{layer}")), alignment)
+    k, v = unflatten_kv(mapper.predict(f"kv:{layer}", x.to(receiver.device)), geo.num_kv_heads, geo.head_dim)
+    cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
+    return apply_rope(k, cos, sin), v
+
+
+@torch.inference_mode()
+def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeatures, mapper: RidgeMapper,
+             split: int, prefix_cache: Any | None = None) -> TransferResult:
+    """Build the receiver's cache for ``prompt.prefix + prompt.context`` from the sender's ``features``.
+
+    ``prefix_cache`` is the receiver's own cache of ``prompt.prefix_ids`` (computed when None; it is copied, not
+    modified). Returns the cache, ready for ``receiver.generate(prompt.suffix_ids, cache=...)``.
+    """
+    import copy
+
+    geo = receiver.geometry
+    if not 0 <= split <= geo.num_layers:
+        raise ValueError(f"split must be in [0, {geo.num_layers}], got {split}")
+    cache = copy.deepcopy(prefix_cache) if prefix_cache is not None else receiver.prefill(prompt.prefix_ids).cache
+    start, end = prompt.context_span
+    positions = torch.arange(start, end)
+    t0 = time.perf_counter()
+    alignment = alignment_for(prompt.context_offsets, features.offsets) if split > 0 else None
+    if split == 0:
+        receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
+    else:
+        stubs = {}
+        hidden = None
+        if split < geo.num_layers:
+            x = pool_to_receiver(features.select(mapper.sender_layers(f"hidden:{split}")), alignment)
+            hidden = mapper.predict(f"hidden:{split}", x.to(receiver.device))[None]
+        for layer in range(split):
+            k, v = mapped_kv(receiver, mapper, features, layer, alignment, positions)
+            stubs[layer] = _MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
+        if split == geo.num_layers:
+            for layer, stub in stubs.items():
+                cache.update(stub.keys, stub.values, layer)
+        else:
+            with _replaced_layers(receiver.model, stubs):
+                receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
+    elapsed = time.perf_counter() - t0
+    return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None)

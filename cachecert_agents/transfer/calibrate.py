@@ -1,0 +1,64 @@
+"""Collect :class:`PairStatistics` for a pair over calibration contexts (never a workload's evaluation split)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from tqdm.auto import tqdm
+
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.features import (alignment_for, pool_to_receiver, receiver_targets,
+                                                sender_features)
+from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
+
+logger = logging.getLogger(__name__)
+
+
+def pair_header(sender: ModelHandle, receiver: ModelHandle, **extra: object) -> dict:
+    """The identity of a pair, recorded in (and checked against) every artifact built for it."""
+    return {
+        "sender": sender.name, "receiver": receiver.name,
+        "sender_kv": sender.geometry.kv_fingerprint(), "receiver_kv": receiver.geometry.kv_fingerprint(),
+        "sender_tokenizer": sender.geometry.tokenizer_fingerprint,
+        "receiver_tokenizer": receiver.geometry.tokenizer_fingerprint,
+        **extra,
+    }
+
+
+def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
+                       splits: list[int], header: dict | None = None, width: int = 3,
+                       progress: bool = True, total: int | None = None) -> PairStatistics:
+    """Stream ``(context, instruction)`` pairs through both models and accumulate moments for every receiver
+    layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``)."""
+    stats = PairStatistics.empty(header or pair_header(sender, receiver))
+    ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
+    n_contexts = 0
+    for context, instruction in tqdm(contexts, desc=f"calibrate {sender.name}->{receiver.name}", unit="ctx",
+                                     disable=not progress, total=total):
+        s_prompt = sender.format_prompt(context, instruction)
+        r_prompt = receiver.format_prompt(context, instruction)
+        feats = sender_features(sender, s_prompt)
+        targets = receiver_targets(receiver, r_prompt, splits)
+        alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
+        pooled: dict[tuple[int, ...], object] = {}
+
+        def features_for(boundary: int):
+            layers = tuple(sender_layers_for(boundary, lr, ls, width))
+            if layers not in pooled:
+                pooled[layers] = pool_to_receiver(feats.select(list(layers)), alignment)
+            return list(layers), pooled[layers]
+
+        first = True
+        for layer, y in enumerate(targets.kv):
+            layers, x = features_for(layer)
+            stats.add(f"kv:{layer}", layers, x, y, count_tokens=first)
+            first = False
+        for s, y in targets.hidden.items():
+            layers, x = features_for(s)
+            stats.add(f"hidden:{s}", layers, x, y)
+        stats.end_context()
+        n_contexts += 1
+    stats.header["n_contexts"] = n_contexts
+    logger.info("collected statistics over %d contexts, %d receiver tokens", n_contexts, stats.n_tokens)
+    return stats

@@ -1,0 +1,107 @@
+"""What a transfer reads from the sender and writes for the receiver, per context.
+
+Sender side (:func:`sender_features`): the sender's residual stream over the context tokens, one tensor per layer
+boundary, RMS-normalised per token (the receiver applies an RMSNorm before its projections anyway, and this
+removes the sender's scale and massive-activation spikes from the features), pooled onto the receiver's tokens by
+character-span alignment. In a real handoff these already exist: the upstream node computed them.
+
+Receiver side (:func:`receiver_targets`): what a mapper must predict, from one receiver prefill over calibration
+text: per layer, pre-RoPE keys and values of the context tokens flattened over KV heads
+(``[n, 2 * kv_heads * head_dim]``: keys first), and the residual stream entering each split layer
+(``[n, hidden]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachecert_agents.kv.alignment import TokenAlignment, align_tokens
+from cachecert_agents.models.handle import ModelHandle, PromptSegments
+
+
+@dataclass
+class SenderFeatures:
+    """``hidden`` ``[num_layers + 1, n_context, hidden]`` (float32, RMS-normalised; index 0 = embeddings) over
+    the sender's context tokens, their character ``offsets`` ``[n_context, 2]``, and the sender's prefill time of
+    prefix + context in seconds (not a cost of the transfer: the sender already paid it)."""
+
+    hidden: torch.Tensor
+    offsets: torch.Tensor
+    prefill_s: float
+
+    def select(self, layers: list[int]) -> torch.Tensor:
+        """``[n_context, len(layers) * hidden]``: the chosen layer boundaries side by side."""
+        return torch.cat([self.hidden[m] for m in layers], dim=-1)
+
+
+def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def sender_features(sender: ModelHandle, prompt: PromptSegments) -> SenderFeatures:
+    """Prefill the sender on ``prefix + context`` and keep its normalised residual stream over the context."""
+    import time
+
+    start, end = prompt.context_span
+    t0 = time.perf_counter()
+    out = sender.forward(prompt.input_ids[:end], output_hidden_states=True, logits_to_keep=1)
+    elapsed = time.perf_counter() - t0
+    hidden = torch.stack([rms_normalise(h[start:end].float()) for h in out.hidden_states])
+    return SenderFeatures(hidden, prompt.context_offsets, elapsed)
+
+
+def pool_to_receiver(features: torch.Tensor, alignment: TokenAlignment | None) -> torch.Tensor:
+    """Map ``[n_sender, d]`` sender features onto receiver tokens ``[n_receiver, d]`` (identity when None)."""
+    if alignment is None or alignment.is_identity:
+        return features
+    return alignment.pooling_matrix(features.dtype).to(features.device) @ features
+
+
+def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) -> TokenAlignment | None:
+    """Alignment of receiver context tokens to sender context tokens; None when the tokenizations coincide."""
+    if torch.equal(receiver_offsets, sender_offsets):
+        return None
+    return align_tokens(receiver_offsets, sender_offsets)
+
+
+@dataclass
+class ReceiverTargets:
+    """``kv[l]`` ``[n_context, 2 * kv_heads * head_dim]`` pre-RoPE keys then values; ``hidden[s]``
+    ``[n_context, hidden]`` residual stream entering layer ``s``; receiver prefill time of the context (seconds,
+    on top of its prefix cache)."""
+
+    kv: list[torch.Tensor]
+    hidden: dict[int, torch.Tensor]
+    prefill_s: float
+
+
+def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list[int]) -> ReceiverTargets:
+    """One receiver prefill over ``prefix + context``; returns the mapper's regression targets."""
+    import time
+
+    prefix = receiver.prefill(prompt.prefix_ids)
+    t0 = time.perf_counter()
+    with receiver.capture_qk(queries=False, keys=True, values=True) as cap:  # every token, sliding layers too
+        out = receiver.forward(prompt.context_ids, prefix.cache, output_hidden_states=True, logits_to_keep=1)
+    elapsed = time.perf_counter() - t0
+    kv = [flatten_kv(cap.key(layer), cap.value(layer)) for layer in range(receiver.geometry.num_layers)]
+    hidden = {s: out.hidden_states[s].float() for s in splits}
+    return ReceiverTargets(kv, hidden, elapsed)
+
+
+def flatten_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, n, d]`` keys and values -> ``[n, 2 * heads * d]`` (keys first, head-major)."""
+    k = keys[0].transpose(0, 1).reshape(keys.shape[2], -1)
+    v = values[0].transpose(0, 1).reshape(values.shape[2], -1)
+    return torch.cat([k, v], dim=-1)
+
+
+def unflatten_kv(flat: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`flatten_kv`: ``[n, 2 * heads * d]`` -> keys, values ``[1, heads, n, d]``."""
+    n = flat.shape[0]
+    half = kv_heads * head_dim
+    k = flat[:, :half].reshape(n, kv_heads, head_dim).transpose(0, 1)[None]
+    v = flat[:, half:].reshape(n, kv_heads, head_dim).transpose(0, 1)[None]
+    return k.contiguous(), v.contiguous()
