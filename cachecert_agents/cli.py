@@ -4,6 +4,8 @@
     cachecert models install NAME [NAME ...] | all [--force]
     cachecert models remove NAME
     cachecert kv-check --model NAME [--model NAME ...] [--context-tokens N] [--out FILE] [--json]
+    cachecert calibrate --pair S:R --workload W [--splits 0.25,0.5,L] [--n-contexts N] [--out DIR]
+    cachecert eval transfer --pair S:R --workload W [--splits ...] [--n N] [--data PATH] [--json]
     cachecert demo
 
 With ``--json`` the last line of stdout is one JSON object (or list); logs go to stderr.
@@ -148,6 +150,97 @@ def write_result_file(path: str, results: Any) -> None:
     logger.info("wrote %s", out)
 
 
+def _parse_pair(text: str) -> tuple[str, str]:
+    if text.count(":") != 1 or not all(text.split(":")):
+        raise argparse.ArgumentTypeError(f"--pair must be SENDER:RECEIVER, got {text!r}")
+    sender, receiver = text.split(":")
+    return sender, receiver
+
+
+def _parse_splits(text: str, num_layers: int) -> list[int]:
+    """'7,14,28' (layers) or '0.25,0.5,1.0' (fractions of the receiver's layers); 'L' means all layers."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        value = num_layers if part == "L" else (round(float(part) * num_layers) if "." in part else int(part))
+        if not 0 <= value <= num_layers:
+            raise CacheCertError(f"split {part!r} is outside 0..{num_layers} for this receiver")
+        out.append(value)
+    return sorted(set(out))
+
+
+def _load_pair(args: argparse.Namespace):
+    from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.models.handle import ModelHandle
+
+    sender_name, receiver_name = args.pair
+    workload = get_workload(args.workload, data=args.data)
+    sender = ModelHandle.load(sender_name, device=args.device)
+    receiver = ModelHandle.load(receiver_name, device=args.device)
+    return sender, receiver, workload
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cachecert_agents.eval.transfer_eval import build_mapper
+
+    sender, receiver, workload = _load_pair(args)
+    splits = _parse_splits(args.splits, receiver.geometry.num_layers)
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_contexts,
+                          out_dir=Path(args.out) if args.out else None, force=True)
+    summary = {"pair": f"{sender.name}:{receiver.name}", "workload": workload.name,
+               "fit_tokens": mapper.header["fit_tokens"],
+               "targets": {k: {"rho": v["rho"], "heldout_r2": round(v["heldout_r2"], 4)}
+                           for k, v in mapper.header["targets"].items()}}
+    if not args.json:
+        for k, v in summary["targets"].items():
+            print(f"{k:10} rho={v['rho']:<8g} held-out R^2={v['heldout_r2']:.3f}")
+    _emit(summary, args.json)
+    return 0
+
+
+def _cmd_eval_transfer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cachecert_agents.eval.transfer_eval import (_read_jsonl, build_mapper, evaluate_transfer,
+                                                     summarise)
+
+    sender, receiver, workload = _load_pair(args)
+    splits = _parse_splits(args.splits, receiver.geometry.num_layers)
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+    results_dir = Path(args.results_dir)
+    records = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n, results_dir)
+    full = _read_jsonl(results_dir / "full" / f"{receiver.name}__{workload.name}.jsonl".replace("/", "_"))
+    rows = summarise(records, full)
+    for row in rows:
+        row["criterion"] = workload.criterion()
+        row["n_calibration_contexts"] = args.n_calibration
+    if args.summary:
+        _merge_rows(args.summary, rows)
+    if not args.json:
+        for r in rows:
+            print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
+                  f"full={r['score_full']:.3f} transfer={r['score_transfer']:.3f} "
+                  f"no-context={r['score_no_context']:.3f} retention={r['retention'] or 0:.2f} "
+                  f"agreement={r['agreement']:.2f} prefill_saved={r['prefill_saved']:.2f}")
+    _emit(rows, args.json)
+    return 0
+
+
+def _merge_rows(path: str, rows: list[dict]) -> None:
+    """Merge rows into a results file keyed by (sender, receiver, workload, method), keeping other rows."""
+    from pathlib import Path
+
+    key = ("sender", "receiver", "workload", "method")
+    existing: list[dict] = []
+    if Path(path).exists():
+        existing = json.loads(Path(path).read_text()).get("results", [])
+    new_keys = {tuple(r[k] for k in key) for r in rows}
+    merged = [r for r in existing if tuple(r[k] for k in key) not in new_keys] + rows
+    write_result_file(path, merged)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Until the agent middleware lands, the demo is the best end-to-end job that exists: install the default
     models, then prove exact cache round trips on each (kv-check) with a context that crosses Gemma's window."""
@@ -201,6 +294,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_kv_check)
+
+    p = sub.add_parser("calibrate", help="collect pair statistics on a workload's calibration split, fit mappers")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+    p.add_argument("--n-contexts", type=int, default=32)
+    p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_calibrate)
+
+    ev = sub.add_parser("eval", help="experiments: eval transfer")
+    esub = ev.add_subparsers(dest="eval_command", required=True)
+    p = esub.add_parser("transfer", help="full prefill vs transfer on the same examples, with controls")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+    p.add_argument("--n", type=int, default=100, help="evaluation examples")
+    p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
+    p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
+    p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval_transfer)
 
     p = sub.add_parser("demo", help="the main end-to-end job (see README)")
     p.add_argument("--context-tokens", type=int, default=640)

@@ -1,0 +1,190 @@
+"""``cachecert eval transfer``: full prefill against transfer on the same examples, with controls.
+
+Per evaluation example the receiver answers (greedy) after:
+
+- ``full``: its own prefill of ``prefix + context`` (the reference; cached per receiver and workload);
+- ``no-context``: the instruction alone (the floor: a transfer must beat it to count);
+- ``split@s`` for each split layer s (``s = L``: pure KV transfer, named ``ridge-kv``): the transferred cache;
+- ``sender``: the sender's own answer on its own prompt (a control: is the receiver adding anything?).
+
+Each record is appended to a JSONL file as soon as it exists, and a rerun skips what is done, so long runs are
+resumable. :func:`summarise` turns the records into the rows of ``docs/results/transfer.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cachecert_agents.eval.workloads import Workload
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.paths import cache_home
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
+from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.statistics import PairStatistics
+
+logger = logging.getLogger(__name__)
+
+
+def method_name(split: int, num_layers: int) -> str:
+    return "ridge-kv" if split == num_layers else f"split@{split}"
+
+
+def artifact_stem(sender: str, receiver: str, workload: str) -> str:
+    return f"{sender}__{receiver}__{workload}".replace("/", "_")
+
+
+def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
+                 n_contexts: int, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False
+                 ) -> RidgeMapper:
+    """Load the pair's mapper from the user cache, or calibrate it on the workload's calibration split."""
+    out_dir = out_dir or cache_home() / "mappers"
+    stem = out_dir / artifact_stem(sender.name, receiver.name, workload.name)
+    header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
+    expect = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
+    if stem.with_suffix(".json").exists() and not force:
+        mapper = RidgeMapper.load(stem, expect=expect)
+        if wanted <= set(mapper.header["targets"]) and mapper.header.get("n_calibration_contexts") == n_contexts:
+            logger.info("using mapper %s", stem)
+            return mapper
+        logger.info("mapper %s lacks splits or calibration size asked for; recalibrating", stem)
+    cal = workload.examples("calibration")
+    if len(cal) < n_contexts + n_heldout:
+        raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
+                         f"{n_heldout} held out")
+    hidden_splits = sorted(int(t.split(":")[1]) for t in wanted)
+    stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
+                               hidden_splits, header, total=n_contexts)
+    stats.save(stem.with_name(stem.name + ".stats"))
+    heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
+                                                    cal[n_contexts:n_contexts + n_heldout]],
+                                 hidden_splits, header, total=n_heldout)
+    mapper = RidgeMapper.fit(stats, heldout)
+    mapper.save(stem)
+    logger.info("saved mapper %s", stem)
+    return mapper
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut by a crash: everything before it is intact
+                logger.warning("%s: skipping a truncated line", path)
+    return records
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
+                      splits: list[int], n: int, results_dir: Path, progress: bool = True) -> list[dict]:
+    """Run (or resume) the evaluation; returns every record for this pair and workload."""
+    L = receiver.geometry.num_layers
+    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
+    full_path = results_dir / "full" / f"{receiver.name}__{workload.name}.jsonl".replace("/", "_")
+    done = {(r["id"], r["method"]) for r in _read_jsonl(path)}
+    full_done = {r["id"]: r for r in _read_jsonl(full_path)}
+    examples = workload.examples("evaluation", limit=n)
+    prefix_cache = None
+    gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
+    for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
+        methods = [method_name(s, L) for s in splits] + ["no-context", "sender"]
+        if all((ex.id, m) in done for m in methods) and ex.id in full_done:
+            continue
+        r_prompt = receiver.format_prompt(ex.context, ex.instruction)
+        if prefix_cache is None:
+            prefix_cache = receiver.prefill(r_prompt.prefix_ids).cache
+        if ex.id not in full_done:
+            cache = copy.deepcopy(prefix_cache)
+            t0 = time.perf_counter()
+            receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
+            prefill_s = time.perf_counter() - t0
+            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
+            rec = {"id": ex.id, "receiver": receiver.name, "workload": workload.name, "answer": gen.text,
+                   "score": workload.score(gen.text, ex.references), "prefill_s": prefill_s,
+                   "context_tokens": int(r_prompt.context_ids.numel())}
+            _append_jsonl(full_path, rec)
+            full_done[ex.id] = rec
+        full = full_done[ex.id]
+
+        def record(method: str, answer: str, **extra: Any) -> None:
+            rec = {"id": ex.id, "sender": sender.name, "receiver": receiver.name, "workload": workload.name,
+                   "method": method, "answer": answer, "score": workload.score(answer, ex.references),
+                   "agree": workload.agree(answer, full["answer"]), "prefill_s": full["prefill_s"], **extra}
+            _append_jsonl(path, rec)
+            done.add((ex.id, method))
+
+        if (ex.id, "no-context") not in done:
+            nc = receiver.format_prompt("", ex.instruction)
+            record("no-context", receiver.generate(nc.input_ids, **gen_kw).text)
+        s_prompt = sender.format_prompt(ex.context, ex.instruction)
+        if (ex.id, "sender") not in done:
+            record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
+        feats = None
+        for s in splits:
+            m = method_name(s, L)
+            if (ex.id, m) in done:
+                continue
+            feats = feats or sender_features(sender, s_prompt)
+            result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache)
+            gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
+            record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
+                   alignment=result.coverage)
+    return _read_jsonl(path)
+
+
+def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
+    """Rows of ``transfer.json``: one per (sender, receiver, workload, method)."""
+    full = {r["id"]: r for r in full_records}
+    by_method: dict[str, list[dict]] = {}
+    for r in records:
+        if r["id"] in full:
+            by_method.setdefault(r["method"], []).append(r)
+    no_ctx = {r["id"]: r["score"] for r in by_method.get("no-context", [])}
+    rows = []
+    for method, recs in sorted(by_method.items()):
+        if method in ("no-context", "sender"):
+            continue
+        ids = [r["id"] for r in recs]
+        score_full = statistics.mean(full[i]["score"] for i in ids)
+        score_transfer = statistics.mean(r["score"] for r in recs)
+        prefill_med = statistics.median(full[i]["prefill_s"] for i in ids)
+        transfer_med = statistics.median(r["transfer_s"] for r in recs)
+        first = recs[0]
+        rows.append({
+            "sender": first["sender"], "receiver": first["receiver"], "workload": first["workload"],
+            "method": method, "split": first.get("split"), "num_layers": first.get("num_layers"), "n": len(recs),
+            "score_full": score_full, "score_transfer": score_transfer,
+            "score_no_context": statistics.mean(no_ctx[i] for i in ids if i in no_ctx) if no_ctx else None,
+            "score_sender": statistics.mean(r["score"] for r in by_method.get("sender", []) if r["id"] in ids)
+            if by_method.get("sender") else None,
+            "retention": score_transfer / score_full if score_full else None,
+            "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
+            "unsafe_rate": 1 - statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
+            "agreement_no_context": statistics.mean(1.0 if r["agree"] else 0.0 for r in by_method["no-context"]
+                                                    if r["id"] in ids) if by_method.get("no-context") else None,
+            "prefill_saved": 1 - transfer_med / prefill_med,
+            "prefill_s_median": prefill_med, "transfer_s_median": transfer_med,
+        })
+    return rows
