@@ -1,0 +1,135 @@
+"""Transfer engine: moments and ridge on synthetic data, artifacts, and transfers between tiny models."""
+
+import pytest
+import torch
+
+from cachecert_agents.errors import GeometryMismatchError
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
+from cachecert_agents.transfer.features import flatten_kv, sender_features, unflatten_kv
+from cachecert_agents.transfer.mappers import RidgeMapper, heldout_r2, ridge_solve
+from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
+from tests.conftest import tiny_model
+
+
+def _synthetic_stats(w, b, n_chunks, seed, noise=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    stats = PairStatistics.empty({"sender": "s", "receiver": "r", "sender_kv": "a", "receiver_kv": "b"})
+    xs, ys = [], []
+    for _ in range(n_chunks):
+        x = torch.randn(50, w.shape[0], generator=gen) @ torch.randn(w.shape[0], w.shape[0], generator=gen) * 0.5
+        y = x @ w + b + noise * torch.randn(50, w.shape[1], generator=gen)
+        stats.add("kv:0", [0, 1], x, y, count_tokens=True)
+        stats.end_context()
+        xs.append(x), ys.append(y)
+    return stats, torch.cat(xs), torch.cat(ys)
+
+
+def test_streaming_ridge_recovers_a_known_linear_map():
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(12, 5, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64)
+    stats, _, _ = _synthetic_stats(w.float(), b.float(), n_chunks=8, seed=1)
+    heldout, _, _ = _synthetic_stats(w.float(), b.float(), n_chunks=2, seed=2)
+    mapper = RidgeMapper.fit(stats, heldout)
+    assert torch.allclose(mapper.weights["kv:0"].double(), w, atol=1e-2)
+    assert torch.allclose(mapper.biases["kv:0"].double(), b, atol=1e-2)
+    assert mapper.header["targets"]["kv:0"]["heldout_r2"] > 0.9999
+
+
+def test_r2_from_moments_matches_direct_computation():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 4, generator=gen)
+    stats, x, y = _synthetic_stats(w, torch.zeros(4), n_chunks=4, seed=4, noise=0.7)
+    mx, my, cxx, cxy, _ = stats.centred("kv:0")
+    wf = ridge_solve(cxx, cxy, 0.1)
+    bf = my - mx @ wf
+    resid = y.double() - (x.double() @ wf + bf)
+    direct = 1 - resid.pow(2).sum() / (y.double() - y.double().mean(0)).pow(2).sum()
+    assert heldout_r2(wf, bf, stats, "kv:0") == pytest.approx(float(direct), abs=1e-8)
+
+
+def test_artifacts_round_trip_and_refuse_a_wrong_pair(tmp_path):
+    w = torch.randn(6, 3)
+    stats, _, _ = _synthetic_stats(w, torch.zeros(3), n_chunks=3, seed=5)
+    stats.save(tmp_path / "stats")
+    back = PairStatistics.load(tmp_path / "stats", expect={"receiver_kv": "b"})
+    assert back.n_tokens == stats.n_tokens and torch.equal(back.targets["kv:0"].xy, stats.targets["kv:0"].xy)
+    mapper = RidgeMapper.fit(stats, rho=1e-3)
+    mapper.save(tmp_path / "mapper")
+    loaded = RidgeMapper.load(tmp_path / "mapper", expect={"sender_kv": "a"})
+    assert torch.equal(loaded.weights["kv:0"], mapper.weights["kv:0"])
+    with pytest.raises(GeometryMismatchError, match="receiver_kv"):
+        RidgeMapper.load(tmp_path / "mapper", expect={"receiver_kv": "other"})
+    with pytest.raises(GeometryMismatchError):
+        PairStatistics.load(tmp_path / "stats", expect={"sender": "someone-else"})
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_sender_layer_choice_is_proportional_and_clipped():
+    assert sender_layers_for(0, 29, 25) == [0, 1, 2]
+    assert sender_layers_for(28, 29, 25) == [22, 23, 24]
+    assert sender_layers_for(14, 29, 25) == [11, 12, 13]
+    assert sender_layers_for(3, 4, 2, width=3) == [0, 1]
+
+
+def test_flatten_and_unflatten_kv_are_inverse():
+    k, v = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
+    flat = flatten_kv(k, v)
+    assert flat.shape == (7, 16)
+    k2, v2 = unflatten_kv(flat, 2, 4)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+CONTEXTS = ["the cat sat on the mat and the dog ran in the park " * 3,
+            "a dog ran in the park where the cat sat on the mat " * 3,
+            "where did the cat sit the cat sat on the mat " * 3,
+            "the park had a dog and a cat and the mat " * 3]
+
+
+@pytest.fixture
+def twins(tiny_tokenizer):
+    """Sender and receiver with identical weights (tiny llama)."""
+    return (ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer),
+            ModelHandle("tiny-b", tiny_model("llama", seed=7), tiny_tokenizer))
+
+
+def test_pure_kv_transfer_between_identical_models_equals_the_exact_cache(twins):
+    sender, receiver = twins
+    L = receiver.geometry.num_layers
+    # K = W_k (g * h/rms(h)) is exactly linear in the features; random text spans all 3 x 64 feature
+    # directions (a handful of repeated sentences would leave most of them unseen)
+    gen = torch.Generator().manual_seed(0)
+    texts = [sender.tokenizer.decode(torch.randint(4, 320, (120,), generator=gen)) for _ in range(6)]
+    stats = collect_statistics(sender, receiver, [(t, "where did the cat sit") for t in texts], [],
+                               progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-7)
+    prompt = receiver.format_prompt("the dog sat on the mat in the park", "where did the dog sit")
+    feats = sender_features(sender, sender.format_prompt(prompt.context_text, "where did the dog sit"))
+    result = transfer(receiver, prompt, feats, mapper, split=L)
+    exact = receiver.forward(prompt.input_ids, logits_to_keep=1).logits[-1]
+    got = receiver.continue_from(result.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(got, exact, atol=1e-3), (got - exact).abs().max()
+
+
+def test_split_zero_is_a_full_prefill(twins):
+    sender, receiver = twins
+    stats = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS[:2]], [1], progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    prompt = receiver.format_prompt(CONTEXTS[3], "where did the cat sit")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[3], "where did the cat sit"))
+    exact = receiver.forward(prompt.input_ids, logits_to_keep=1).logits[-1]
+    result = transfer(receiver, prompt, feats, mapper, split=0)
+    got = receiver.continue_from(result.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(got, exact, atol=1e-5)
+    # an intermediate split runs end to end and changes the answer only through the mapped part
+    mid = transfer(receiver, prompt, feats, mapper, split=1)
+    assert mid.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
+    with pytest.raises(ValueError, match="split must be"):
+        transfer(receiver, prompt, feats, mapper, split=99)
+
+
+def test_pair_header_names_both_models(twins):
+    header = pair_header(*twins, workload="w")
+    assert header["sender"] == "tiny-a" and header["receiver"] == "tiny-b" and header["workload"] == "w"
+    assert header["sender_kv"] == header["receiver_kv"]
