@@ -228,6 +228,14 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_report(args: argparse.Namespace) -> int:
+    from cachecert_agents.eval.report import transfer_markdown
+
+    out = transfer_markdown(args.results, args.out, args.plots)
+    print(f"wrote {out}")
+    return 0
+
+
 def _merge_rows(path: str, rows: list[dict]) -> None:
     """Merge rows into a results file keyed by (sender, receiver, workload, method), keeping other rows."""
     from pathlib import Path
@@ -320,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)
+
+    p = esub.add_parser("report", help="write transfer.md and frontier plots from transfer.json")
+    p.add_argument("--results", default="docs/results/transfer.json")
+    p.add_argument("--out", default="docs/results/transfer.md")
+    p.add_argument("--plots", default="docs/results/plots")
+    p.set_defaults(func=_cmd_eval_report)
 
     p = sub.add_parser("demo", help="the main end-to-end job (see README)")
     p.add_argument("--context-tokens", type=int, default=640)

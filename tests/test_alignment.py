@@ -71,3 +71,11 @@ def test_bad_offsets_are_rejected():
         align_tokens(np.zeros((3, 3)), spans("the"))
     with pytest.raises(ValueError, match="increasing"):
         align_tokens([(4, 7), (0, 3)], spans("the"))
+
+
+def test_sparse_pool_equals_dense_pooling_matrix():
+    receiver = [(0, 0)] + spans("the c", "at sat")
+    sender = spans("th", "e", " c", "at", " s", "at")
+    a = align_tokens(receiver, sender)
+    x = torch.randn(len(sender), 5)
+    assert torch.allclose(a.pool(x), a.pooling_matrix() @ x, atol=1e-6)

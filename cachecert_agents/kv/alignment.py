@@ -60,14 +60,26 @@ class TokenAlignment:
             "one_to_one_fraction": float((exact & has_chars).sum() / n),
         }
 
-    def pooling_matrix(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dense ``[n_receiver, n_sender]`` matrix whose rows average overlapping sender tokens (weights by
-        overlapping characters, rows sum to 1; rows of uncovered receiver tokens are zero)."""
+    def _pool_weights(self) -> tuple[np.ndarray, np.ndarray]:
         rows = np.repeat(np.arange(self.n_receiver), np.diff(self.indptr))
         weights = self.overlap.astype(np.float64)
         sums = np.zeros(self.n_receiver)
         np.add.at(sums, rows, weights)
-        weights = weights / np.where(sums[rows] > 0, sums[rows], 1.0)
+        return rows, weights / np.where(sums[rows] > 0, sums[rows], 1.0)
+
+    def pool(self, sender_values: torch.Tensor) -> torch.Tensor:
+        """``[n_sender, d]`` -> ``[n_receiver, d]``: each receiver row averages its overlapping sender rows
+        (weights by shared characters); a sparse product, O(nnz * d)."""
+        _, weights = self._pool_weights()
+        matrix = torch.sparse_csr_tensor(torch.from_numpy(self.indptr), torch.from_numpy(self.indices),
+                                         torch.from_numpy(weights).to(sender_values.dtype),
+                                         size=(self.n_receiver, self.n_sender), device=sender_values.device)
+        return matrix @ sender_values
+
+    def pooling_matrix(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense ``[n_receiver, n_sender]`` matrix whose rows average overlapping sender tokens (weights by
+        overlapping characters, rows sum to 1; rows of uncovered receiver tokens are zero)."""
+        rows, weights = self._pool_weights()
         out = torch.zeros(self.n_receiver, self.n_sender, dtype=dtype)
         out[torch.from_numpy(rows), torch.from_numpy(self.indices)] = torch.from_numpy(weights).to(dtype)
         return out

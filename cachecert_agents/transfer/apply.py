@@ -25,7 +25,7 @@ import torch
 
 from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
-from cachecert_agents.transfer.features import (SenderFeatures, alignment_for, pool_to_receiver, unflatten_kv)
+from cachecert_agents.transfer.features import SenderFeatures, alignment_for, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
 
 
@@ -68,10 +68,11 @@ def _replaced_layers(model: Any, replacements: dict[int, torch.nn.Module]) -> It
 
 
 def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatures, layer: int,
-              alignment: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]``."""
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]`` from
+    features already on the receiver's tokens."""
     geo = receiver.geometry
-    x = pool_to_receiver(features.select(mapper.sender_layers(f"kv:{layer}")), alignment)
+    x = features.select(mapper.sender_layers(f"kv:{layer}"))
     k, v = unflatten_kv(mapper.predict(f"kv:{layer}", x.to(receiver.device)), geo.num_kv_heads, geo.head_dim)
     cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
     return apply_rope(k, cos, sin), v
@@ -95,16 +96,17 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     positions = torch.arange(start, end)
     t0 = time.perf_counter()
     alignment = alignment_for(prompt.context_offsets, features.offsets) if split > 0 else None
+    features = features.on_receiver_tokens(alignment)
     if split == 0:
         receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     else:
         stubs = {}
         hidden = None
         if split < geo.num_layers:
-            x = pool_to_receiver(features.select(mapper.sender_layers(f"hidden:{split}")), alignment)
+            x = features.select(mapper.sender_layers(f"hidden:{split}"))
             hidden = mapper.predict(f"hidden:{split}", x.to(receiver.device))[None]
         for layer in range(split):
-            k, v = mapped_kv(receiver, mapper, features, layer, alignment, positions)
+            k, v = mapped_kv(receiver, mapper, features, layer, positions)
             stubs[layer] = _MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
         if split == geo.num_layers:
             for layer, stub in stubs.items():

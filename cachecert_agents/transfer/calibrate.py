@@ -8,8 +8,7 @@ from typing import Iterable
 from tqdm.auto import tqdm
 
 from cachecert_agents.models.handle import ModelHandle
-from cachecert_agents.transfer.features import (alignment_for, pool_to_receiver, receiver_targets,
-                                                sender_features)
+from cachecert_agents.transfer.features import alignment_for, receiver_targets, sender_features
 from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
 
 logger = logging.getLogger(__name__)
@@ -38,16 +37,13 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
                                      disable=not progress, total=total):
         s_prompt = sender.format_prompt(context, instruction)
         r_prompt = receiver.format_prompt(context, instruction)
-        feats = sender_features(sender, s_prompt)
         targets = receiver_targets(receiver, r_prompt, splits)
         alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
-        pooled: dict[tuple[int, ...], object] = {}
+        feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)
 
         def features_for(boundary: int):
-            layers = tuple(sender_layers_for(boundary, lr, ls, width))
-            if layers not in pooled:
-                pooled[layers] = pool_to_receiver(feats.select(list(layers)), alignment)
-            return list(layers), pooled[layers]
+            layers = sender_layers_for(boundary, lr, ls, width)
+            return layers, feats.select(layers)
 
         first = True
         for layer, y in enumerate(targets.kv):

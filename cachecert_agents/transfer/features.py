@@ -35,6 +35,16 @@ class SenderFeatures:
         """``[n_context, len(layers) * hidden]``: the chosen layer boundaries side by side."""
         return torch.cat([self.hidden[m] for m in layers], dim=-1)
 
+    def on_receiver_tokens(self, alignment: TokenAlignment | None) -> "SenderFeatures":
+        """The same features pooled onto the receiver's context tokens (one sparse product for all layers);
+        ``offsets`` stay the sender's. Identity when ``alignment`` is None."""
+        if alignment is None or alignment.is_identity:
+            return self
+        n_layers, n, d = self.hidden.shape
+        flat = self.hidden.permute(1, 0, 2).reshape(n, n_layers * d)
+        pooled = alignment.pool(flat).reshape(alignment.n_receiver, n_layers, d).permute(1, 0, 2)
+        return SenderFeatures(pooled.contiguous(), self.offsets, self.prefill_s)
+
 
 def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -50,13 +60,6 @@ def sender_features(sender: ModelHandle, prompt: PromptSegments) -> SenderFeatur
     elapsed = time.perf_counter() - t0
     hidden = torch.stack([rms_normalise(h[start:end].float()) for h in out.hidden_states])
     return SenderFeatures(hidden, prompt.context_offsets, elapsed)
-
-
-def pool_to_receiver(features: torch.Tensor, alignment: TokenAlignment | None) -> torch.Tensor:
-    """Map ``[n_sender, d]`` sender features onto receiver tokens ``[n_receiver, d]`` (identity when None)."""
-    if alignment is None or alignment.is_identity:
-        return features
-    return alignment.pooling_matrix(features.dtype).to(features.device) @ features
 
 
 def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) -> TokenAlignment | None:

@@ -1,0 +1,80 @@
+"""Readable reports from results files: Markdown tables and plots (``cachecert eval report``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value: object, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: str | Path | None = None) -> Path:
+    """Write ``transfer.md``: the rows of ``transfer.json`` as a table, and one frontier plot per pair
+    (task-score retention against prefill saved, one point per method/split, the no-context floor dashed)."""
+    payload = json.loads(Path(results_file).read_text())
+    rows = payload["results"]
+    cols = ["sender", "receiver", "workload", "method", "n", "score_full", "score_transfer", "score_no_context",
+            "score_sender", "retention", "agreement", "agreement_no_context", "prefill_saved",
+            "prefill_s_median", "transfer_s_median"]
+    lines = ["# Cross-model transfer: measured retention", "",
+             f"Produced by `{payload['command']}` (merged per pair/workload/method; date {payload['date']}).", "",
+             "Scores are the workload's task score (token F1 against gold answers for QA; ROUGE-L for report). "
+             "`retention` = score_transfer / score_full; `agreement` = share of answers that agree with the "
+             "receiver's own full-prefill answer under the workload's criterion (no gold needed); "
+             "`prefill_saved` = 1 - median transfer time / median receiver context-prefill time, measured in one "
+             "run on this 2-core CPU machine.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sorted(rows, key=lambda r: (r["sender"], r["receiver"], r["workload"], r.get("split") or 0)):
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []
+    if plots:
+        lines += ["", "## Frontiers", ""]
+        base = Path(out_md).resolve().parent
+        for p in plots:
+            p = p.resolve()
+            lines.append(f"![{p.stem}]({p.relative_to(base) if p.is_relative_to(base) else p})")
+    Path(out_md).write_text("\n".join(lines) + "\n")
+    return Path(out_md)
+
+
+def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    pairs = sorted({(r["sender"], r["receiver"]) for r in rows})
+    for sender, receiver in pairs:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for workload in sorted({r["workload"] for r in rows if (r["sender"], r["receiver"]) == (sender, receiver)}):
+            pts = sorted((r["prefill_saved"], r["retention"] or 0.0, r["method"]) for r in rows
+                         if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload))
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=workload)
+            for x, y, m in pts:
+                ax.annotate(m, (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+            floor = [r for r in rows if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload)
+                     and r.get("score_no_context") is not None and r["score_full"]]
+            if floor:
+                ax.axhline(floor[0]["score_no_context"] / floor[0]["score_full"], ls="--", color=line.get_color(),
+                           alpha=0.5)
+        ax.set_xlabel("receiver prefill saved (measured)")
+        ax.set_ylabel("retention (score transfer / score full)")
+        ax.set_title(f"{sender} -> {receiver}", fontsize=9)
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_ylim(-0.05, 1.2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="dashed: no context", title_fontsize=7)
+        path = plot_dir / f"frontier_{sender}__{receiver}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
