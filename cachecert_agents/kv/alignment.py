@@ -69,12 +69,13 @@ class TokenAlignment:
 
     def pool(self, sender_values: torch.Tensor) -> torch.Tensor:
         """``[n_sender, d]`` -> ``[n_receiver, d]``: each receiver row averages its overlapping sender rows
-        (weights by shared characters); a sparse product, O(nnz * d)."""
-        _, weights = self._pool_weights()
-        matrix = torch.sparse_csr_tensor(torch.from_numpy(self.indptr), torch.from_numpy(self.indices),
-                                         torch.from_numpy(weights).to(sender_values.dtype),
-                                         size=(self.n_receiver, self.n_sender), device=sender_values.device)
-        return matrix @ sender_values
+        (weights by shared characters); a gather and scatter-add, O(nnz * d)."""
+        rows, weights = self._pool_weights()
+        device, dtype = sender_values.device, sender_values.dtype
+        gathered = sender_values[torch.from_numpy(self.indices).to(device)]
+        gathered = gathered * torch.from_numpy(weights).to(device=device, dtype=dtype)[:, None]
+        out = torch.zeros(self.n_receiver, sender_values.shape[1], dtype=dtype, device=device)
+        return out.index_add_(0, torch.from_numpy(rows).to(device), gathered)
 
     def pooling_matrix(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense ``[n_receiver, n_sender]`` matrix whose rows average overlapping sender tokens (weights by
