@@ -41,24 +41,28 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     from cachecert_agents.models.loading import model_geometry
 
     rows = []
+    snapshot = _geometry_snapshot()
     for name, spec in registry.EMBEDDED_MODELS.items():
         path = registry.installed_path(name)
         row: dict[str, Any] = {"name": name, "installed": path is not None, "path": str(path) if path else None,
                                "upstream": spec.upstream, "family": spec.family, "instruct": spec.instruct,
                                "size_bytes": spec.size, "sha256": spec.sha256, "approx_ram_gb": spec.approx_ram_gb,
                                "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
-        geometry = None
-        if path is not None:
-            try:
-                geometry = model_geometry(name).model_dump()
-                for k in geometry["rope"].values():
-                    k.pop("inv_freq")  # long; the full list is in the cached geometry.json
-                geometry["sliding_layers"] = [i for i, t in enumerate(geometry["layer_types"])
-                                              if t == "sliding_attention"]
-                geometry.pop("layer_types")
-            except Exception as exc:  # a broken model must not hide the others
-                logger.warning("could not read the geometry of %s: %s", name, exc)
+        geometry, source = None, None
+        try:
+            if path is not None:
+                geometry, source = model_geometry(name).model_dump(), "read from the installed model"
+            elif name in snapshot:
+                geometry, source = snapshot[name], "snapshot shipped with the package (model not installed)"
+        except Exception as exc:  # a broken model must not hide the others
+            logger.warning("could not read the geometry of %s: %s", name, exc)
+        if geometry is not None:
+            for rope in geometry["rope"].values():
+                rope.pop("inv_freq")  # long; the full list is in the model's geometry.json
+            geometry["sliding_layers"] = [i for i, t in enumerate(geometry.pop("layer_types"))
+                                          if t == "sliding_attention"]
         row["geometry"] = geometry
+        row["geometry_source"] = source
         rows.append(row)
     if not args.json:
         print(f"{'model':22} {'installed':9} {'layers':>6} {'heads':>5} {'kv':>3} {'hdim':>4} {'hidden':>6}  "
@@ -69,9 +73,18 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
                   f"{g.get('num_heads', '-'):>5} {g.get('num_kv_heads', '-'):>3} {g.get('head_dim', '-'):>4} "
                   f"{g.get('hidden_size', '-'):>6}  {len(g.get('sliding_layers', [])) if g else '-':>7}  "
                   f"{g.get('tokenizer_fingerprint', '-')}")
-        print("install with: cachecert models install NAME (geometry is shown for installed models)")
+        print("install with: cachecert models install NAME (geometry of models not installed: shipped snapshot)")
     _emit(rows, args.json)
     return 0
+
+
+def _geometry_snapshot() -> dict:
+    """Geometries of the embedded models as read from the real files (``data/geometries.json``)."""
+    import copy
+    from importlib.resources import files
+
+    data = json.loads(files("cachecert_agents").joinpath("data/geometries.json").read_text())
+    return {name: copy.deepcopy(entry["geometry"]) for name, entry in data.items()}
 
 
 def _cmd_models_install(args: argparse.Namespace) -> int:

@@ -86,3 +86,24 @@ def test_attention_weights_on_request(handle):
     assert torch.allclose(out.attentions[-1].sum(-1), torch.ones(geo.num_heads, 10), atol=1e-4)
     assert len(out.hidden_states) == geo.num_layers + 1
     assert handle.model.config._attn_implementation == "sdpa"  # restored after the call
+
+
+def test_load_from_a_local_directory(tmp_path, tiny_tokenizer):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
+    handle = ModelHandle.load(str(tmp_path / "ckpt"))
+    assert handle.source.startswith("path:") and handle.geometry.model_type == "qwen2"
+    ids = torch.arange(3, 13)
+    assert torch.allclose(handle.forward(ids).logits, ModelHandle("m", model, tiny_tokenizer).forward(ids).logits)
+
+
+def test_unknown_model_name_is_a_clear_error(monkeypatch):
+    from cachecert_agents.errors import UnknownModelError
+
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
+    with pytest.raises(UnknownModelError, match="smollm2-135m"):
+        ModelHandle.load("no-such-org/no-such-model-xyz")
