@@ -241,6 +241,25 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
+    from cachecert_agents.eval.transfer_cost import transfer_cost
+    from cachecert_agents.eval.transfer_eval import build_mapper
+
+    sender, receiver, workload = _load_pair(args)
+    splits = _parse_splits(args.splits, receiver.geometry.num_layers)
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+    rows = transfer_cost(sender, receiver, mapper, splits, [int(x) for x in args.context_tokens.split(",")],
+                         args.repeats)
+    if args.out:
+        _merge_rows(args.out, rows, key=("sender", "receiver", "context_tokens", "method"))
+    if not args.json:
+        for r in rows:
+            print(f"{r['sender']}->{r['receiver']} {r['context_tokens']:5d} tokens {r['method']:9} prefill "
+                  f"{r['prefill_s_median']:.2f} s, transfer {r['transfer_s_median']:.2f} s, ratio {r['ratio']:.3f}")
+    _emit(rows, args.json)
+    return 0
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
 
@@ -249,11 +268,14 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _merge_rows(path: str, rows: list[dict]) -> None:
-    """Merge rows into a results file keyed by (sender, receiver, workload, method), keeping other rows."""
+def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method")
+                ) -> None:
+    """Merge rows into a results file by ``key``, keeping the other rows; each row records its command."""
     from pathlib import Path
 
-    key = ("sender", "receiver", "workload", "method")
+    for row in rows:
+        row.setdefault("command", "cachecert " + " ".join(sys.argv[1:]))
+
     existing: list[dict] = []
     if Path(path).exists():
         existing = json.loads(Path(path).read_text()).get("results", [])
@@ -347,6 +369,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/results/transfer.md")
     p.add_argument("--plots", default="docs/results/plots")
     p.set_defaults(func=_cmd_eval_report)
+
+    bench = sub.add_parser("bench", help="benchmarks: bench transfer-cost")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("transfer-cost", help="transfer time vs receiver prefill time at fixed context lengths")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True, help="the workload whose calibrated mapper is used")
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--splits", default="0.25,0.5,L")
+    p.add_argument("--n-calibration", type=int, default=32)
+    p.add_argument("--context-tokens", default="1024,2048")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench_transfer_cost)
 
     p = sub.add_parser("demo", help="the main end-to-end job (see README)")
     p.add_argument("--context-tokens", type=int, default=640)

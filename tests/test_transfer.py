@@ -133,3 +133,13 @@ def test_pair_header_names_both_models(twins):
     header = pair_header(*twins, workload="w")
     assert header["sender"] == "tiny-a" and header["receiver"] == "tiny-b" and header["workload"] == "w"
     assert header["sender_kv"] == header["receiver_kv"]
+
+
+def test_random_map_control_keeps_scale_and_drops_information():
+    stats, _, _ = _synthetic_stats(torch.randn(6, 3), torch.ones(3), n_chunks=3, seed=6)
+    mapper = RidgeMapper.fit(stats, rho=1e-3)
+    control = mapper.randomised(seed=1)
+    w, r = mapper.weights["kv:0"], control.weights["kv:0"]
+    assert torch.allclose(w.norm(), r.norm()) and not torch.allclose(w, r)
+    assert torch.equal(control.biases["kv:0"], mapper.biases["kv:0"])
+    assert control.header["control"] == "random-map"

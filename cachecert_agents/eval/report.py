@@ -20,7 +20,7 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
     payload = json.loads(Path(results_file).read_text())
     rows = payload["results"]
     cols = ["sender", "receiver", "workload", "method", "n", "score_full", "score_transfer", "score_no_context",
-            "score_sender", "retention", "agreement", "agreement_no_context", "prefill_saved",
+            "score_sender", "score_random_map", "retention", "agreement", "agreement_no_context", "prefill_saved",
             "prefill_s_median", "transfer_s_median"]
     lines = ["# Cross-model transfer: measured retention", "",
              f"Produced by `{payload['command']}` (merged per pair/workload/method; date {payload['date']}).", "",

@@ -5,7 +5,9 @@ Per evaluation example the receiver answers (greedy) after:
 - ``full``: its own prefill of ``prefix + context`` (the reference; cached per receiver and workload);
 - ``no-context``: the instruction alone (the floor: a transfer must beat it to count);
 - ``split@s`` for each split layer s (``s = L``: pure KV transfer, named ``ridge-kv``): the transferred cache;
-- ``sender``: the sender's own answer on its own prompt (a control: is the receiver adding anything?).
+- ``sender``: the sender's own answer on its own prompt (a control: is the receiver adding anything?);
+- ``random-map``: a transfer at the largest split through a random map of the same scale (a control: the
+  floor for a cache that carries nothing about the context).
 
 Each record is appended to a JSONL file as soon as it exists, and a rerun skips what is done, so long runs are
 resumable. :func:`summarise` turns the records into the rows of ``docs/results/transfer.json``.
@@ -107,9 +109,10 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     full_done = {r["id"]: r for r in _read_jsonl(full_path)}
     examples = workload.examples("evaluation", limit=n)
     prefix_cache = None
+    random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        methods = [method_name(s, L) for s in splits] + ["no-context", "sender"]
+        methods = [method_name(s, L) for s in splits] + ["no-context", "sender", "random-map"]
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
         r_prompt = receiver.format_prompt(ex.context, ex.instruction)
@@ -151,6 +154,11 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
                    alignment=result.coverage)
+        if (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split
+            feats = feats or sender_features(sender, s_prompt)
+            result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
+            gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
+            record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
     return _read_jsonl(path)
 
 
@@ -162,9 +170,10 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
         if r["id"] in full:
             by_method.setdefault(r["method"], []).append(r)
     no_ctx = {r["id"]: r["score"] for r in by_method.get("no-context", [])}
+    random_map = {r["id"]: r["score"] for r in by_method.get("random-map", [])}
     rows = []
     for method, recs in sorted(by_method.items()):
-        if method in ("no-context", "sender"):
+        if method in ("no-context", "sender", "random-map"):
             continue
         ids = [r["id"] for r in recs]
         score_full = statistics.mean(full[i]["score"] for i in ids)
@@ -179,6 +188,8 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "score_no_context": statistics.mean(no_ctx[i] for i in ids if i in no_ctx) if no_ctx else None,
             "score_sender": statistics.mean(r["score"] for r in by_method.get("sender", []) if r["id"] in ids)
             if by_method.get("sender") else None,
+            "score_random_map": statistics.mean(random_map[i] for i in ids if i in random_map)
+            if any(i in random_map for i in ids) else None,
             "retention": score_transfer / score_full if score_full else None,
             "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
             "unsafe_rate": 1 - statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),

@@ -80,6 +80,17 @@ class RidgeMapper:
                 "heldout_r2": score, "fit_r2": heldout_r2(w, b, stats, name)}
         return mapper
 
+    def randomised(self, seed: int = 0) -> "RidgeMapper":
+        """A control: same shapes, biases and per-target weight norms, but Gaussian random weights. Its outputs
+        have the right mean and scale and carry no information about the context."""
+        gen = torch.Generator().manual_seed(seed)
+        out = RidgeMapper(dict(self.header, control="random-map"))
+        for name, w in self.weights.items():
+            r = torch.randn(w.shape, generator=gen)
+            out.weights[name] = r * (w.norm() / r.norm())
+            out.biases[name] = self.biases[name].clone()
+        return out
+
     def sender_layers(self, name: str) -> list[int]:
         return self.header["targets"][name]["sender_layers"]
 

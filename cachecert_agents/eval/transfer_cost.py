@@ -1,0 +1,48 @@
+"""``cachecert bench transfer-cost``: transfer time against receiver prefill time, at fixed context lengths.
+
+For each context length (receiver tokens of the bundled sample text) and each split, the median over repeats of
+(a) the receiver's prefill of the context on top of its cached template prefix and (b) the transfer (mapping,
+RoPE, and the receiver's own layers above the split), measured in one run, and their ratio. The sender's features
+are computed once and not charged: in a handoff the sender already has them.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+from cachecert_agents.eval.kv_check import context_of_tokens
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.mappers import RidgeMapper
+
+INSTRUCTION = "Summarise the text above in one sentence."
+
+
+def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMapper, splits: list[int],
+                  context_tokens: list[int], repeats: int = 3) -> list[dict]:
+    rows = []
+    for n in context_tokens:
+        context = context_of_tokens(receiver, n)
+        r_prompt = receiver.format_prompt(context, INSTRUCTION)
+        feats = sender_features(sender, sender.format_prompt(context, INSTRUCTION))
+        prefix = receiver.prefill(r_prompt.prefix_ids).cache
+        prefill = []
+        for _ in range(repeats):
+            cache = copy.deepcopy(prefix)
+            t0 = time.perf_counter()
+            receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
+            prefill.append(time.perf_counter() - t0)
+        prefill_med = statistics.median(prefill)
+        for s in splits:
+            times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix).transfer_s
+                     for _ in range(repeats)]
+            med = statistics.median(times)
+            rows.append({"sender": sender.name, "receiver": receiver.name, "context_tokens": int(r_prompt.context_ids.numel()),
+                         "split": s, "num_layers": receiver.geometry.num_layers,
+                         "method": "ridge-kv" if s == receiver.geometry.num_layers else f"split@{s}",
+                         "prefill_s_median": prefill_med, "transfer_s_median": med,
+                         "ratio": med / prefill_med, "repeats": repeats})
+    return rows
