@@ -307,6 +307,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- parser
+def _add_pair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True, help="hotpotqa, musique, squad-long, report, tool-results")
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachecert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"cachecert-agents {__version__}")
@@ -339,10 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_kv_check)
 
     p = sub.add_parser("calibrate", help="collect pair statistics on a workload's calibration split, fit mappers")
-    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
-    p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+    _add_pair_args(p)
     p.add_argument("--n-contexts", type=int, default=32)
     p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
     p.add_argument("--device", default="cpu")
@@ -352,10 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="experiments: eval transfer")
     esub = ev.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("transfer", help="full prefill vs transfer on the same examples, with controls")
-    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
-    p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+    _add_pair_args(p)
     p.add_argument("--n", type=int, default=100, help="evaluation examples")
     p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
@@ -373,10 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: bench transfer-cost")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("transfer-cost", help="transfer time vs receiver prefill time at fixed context lengths")
-    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
-    p.add_argument("--workload", required=True, help="the workload whose calibrated mapper is used")
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--splits", default="0.25,0.5,L")
+    _add_pair_args(p)
     p.add_argument("--n-calibration", type=int, default=32)
     p.add_argument("--context-tokens", default="1024,2048")
     p.add_argument("--repeats", type=int, default=3)

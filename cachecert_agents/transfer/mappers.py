@@ -11,16 +11,14 @@ another pair raises ``GeometryMismatchError``.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from cachecert_agents import __version__
-from cachecert_agents.transfer.statistics import PairStatistics, check_header
+from cachecert_agents.artifacts import load_artifact, save_artifact
+from cachecert_agents.transfer.statistics import PairStatistics
 
 FORMAT = "cachecert-ridge-mapper/1"
 RHO_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
@@ -100,26 +98,16 @@ class RidgeMapper:
         return x @ w + self.biases[name].to(x.device)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write ``<path>.safetensors`` and ``<path>.json`` atomically (see :mod:`cachecert_agents.artifacts`)."""
         tensors = {}
         for name in self.weights:
             tensors[f"{name}/W"], tensors[f"{name}/b"] = self.weights[name], self.biases[name]
-        st, js = path.with_suffix(".safetensors"), path.with_suffix(".json")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(st) + ".tmp")
-        Path(str(js) + ".tmp").write_text(json.dumps(self.header, indent=1))
-        os.replace(str(st) + ".tmp", st)
-        os.replace(str(js) + ".tmp", js)
-        return st
+        return save_artifact(path, tensors, self.header)
 
     @classmethod
     def load(cls, path: str | Path, expect: dict | None = None) -> "RidgeMapper":
-        path = Path(path)
-        header = json.loads(path.with_suffix(".json").read_text())
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a cachecert ridge mapper (format {header.get('format')!r})")
-        check_header(header, expect, f"mapper {path}")
-        tensors = load_file(str(path.with_suffix(".safetensors")))
+        """Load a mapper; ``expect`` (pair fingerprints) must match its header."""
+        header, tensors = load_artifact(path, FORMAT, expect, "mapper")
         mapper = cls(header)
         for name in header["targets"]:
             mapper.weights[name], mapper.biases[name] = tensors[f"{name}/W"], tensors[f"{name}/b"]

@@ -12,16 +12,13 @@ library version); loading against another pair is refused. Nothing is pickled.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from cachecert_agents import __version__
-from cachecert_agents.errors import GeometryMismatchError
+from cachecert_agents.artifacts import load_artifact, save_artifact
 
 FORMAT = "cachecert-pair-statistics/1"
 
@@ -119,9 +116,7 @@ class PairStatistics:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """Write ``<path>.safetensors`` and ``<path>.json`` (atomically: temporary files, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write ``<path>.safetensors`` and ``<path>.json`` atomically (see :mod:`cachecert_agents.artifacts`)."""
         tensors = {}
         for key, m in self.features.items():
             tensors[f"{key}/sum_x"], tensors[f"{key}/xx"] = m.sum_x, m.xx
@@ -130,22 +125,12 @@ class PairStatistics:
         header = dict(self.header, n_tokens=self.n_tokens,
                       targets={n: {"feature_key": t.feature_key, "sender_layers": t.sender_layers}
                                for n, t in self.targets.items()})
-        st, js = path.with_suffix(".safetensors"), path.with_suffix(".json")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(st) + ".tmp")
-        Path(str(js) + ".tmp").write_text(json.dumps(header, indent=1))
-        os.replace(str(st) + ".tmp", st)
-        os.replace(str(js) + ".tmp", js)
-        return st
+        return save_artifact(path, tensors, header)
 
     @classmethod
     def load(cls, path: str | Path, expect: dict | None = None) -> "PairStatistics":
         """Load statistics; ``expect`` (e.g. ``{"sender_kv": fp, "receiver_kv": fp}``) must match the header."""
-        path = Path(path)
-        header = json.loads(path.with_suffix(".json").read_text())
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a cachecert statistics file (format {header.get('format')!r})")
-        check_header(header, expect, str(path))
-        tensors = load_file(str(path.with_suffix(".safetensors")))
+        header, tensors = load_artifact(path, FORMAT, expect, "statistics")
         stats = cls(header, n_tokens=int(header["n_tokens"]))
         for name, spec in header["targets"].items():
             key = spec["feature_key"]
@@ -154,11 +139,3 @@ class PairStatistics:
             stats.targets[name] = TargetMoments(key, spec["sender_layers"], tensors[f"{name}/sum_y"],
                                                 tensors[f"{name}/xy"], tensors[f"{name}/yy"])
         return stats
-
-
-def check_header(header: dict, expect: dict | None, what: str) -> None:
-    """Refuse an artifact whose recorded pair/fingerprints differ from ``expect`` (a clear, named error)."""
-    for key, value in (expect or {}).items():
-        if header.get(key) != value:
-            raise GeometryMismatchError(f"{what} was built for {key}={header.get(key)!r}, but this use needs "
-                                        f"{key}={value!r}; rebuild it with `cachecert calibrate`")
