@@ -92,9 +92,15 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
+    """Append one record and fsync; a line left unterminated by a crash is closed first, not extended."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    needs_newline = False
+    if path.exists() and path.stat().st_size:
+        with path.open("rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            needs_newline = fh.read(1) != b"\n"
     with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+        fh.write(("\n" if needs_newline else "") + json.dumps(record) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 

@@ -1,0 +1,46 @@
+"""Summaries of transfer-evaluation records, resumable JSONL (model-free)."""
+
+import json
+
+import pytest
+
+from cachecert_agents.eval.transfer_eval import _append_jsonl, _read_jsonl, method_name, summarise
+
+
+def _rec(i, method, score, agree, **kw):
+    return {"id": str(i), "sender": "s", "receiver": "r", "workload": "w", "method": method, "answer": "a",
+            "score": score, "agree": agree, "prefill_s": 10.0, **kw}
+
+
+def test_summary_rows_compute_retention_agreement_and_savings():
+    full = [{"id": str(i), "score": 0.8, "prefill_s": 10.0 + i} for i in range(4)]
+    records = []
+    for i in range(4):
+        records.append(_rec(i, "split@7", 0.6 if i < 2 else 0.2, i < 3, split=7, num_layers=28, transfer_s=7.5 + i))
+        records.append(_rec(i, "no-context", 0.1, False))
+        records.append(_rec(i, "sender", 0.3, False))
+        records.append(_rec(i, "random-map", 0.05, False, split=28, num_layers=28, transfer_s=0.1))
+    (row,) = summarise(records, full)
+    assert row["method"] == "split@7" and row["n"] == 4
+    assert row["score_full"] == pytest.approx(0.8) and row["score_transfer"] == pytest.approx(0.4)
+    assert row["retention"] == pytest.approx(0.5)
+    assert row["agreement"] == pytest.approx(0.75) and row["unsafe_rate"] == pytest.approx(0.25)
+    assert row["score_no_context"] == pytest.approx(0.1) and row["score_sender"] == pytest.approx(0.3)
+    assert row["score_random_map"] == pytest.approx(0.05)
+    assert row["prefill_saved"] == pytest.approx(1 - 9.0 / 11.5)
+
+
+def test_method_names():
+    assert method_name(28, 28) == "ridge-kv" and method_name(7, 28) == "split@7"
+
+
+def test_jsonl_survives_a_truncated_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    _append_jsonl(path, {"id": "1"})
+    _append_jsonl(path, {"id": "2"})
+    with path.open("a") as fh:
+        fh.write('{"id": "3", "ans')  # a crash mid-write
+    assert [r["id"] for r in _read_jsonl(path)] == ["1", "2"]
+    _append_jsonl(path, {"id": "4"})  # a resumed run appends after the damaged line, never onto it
+    assert [r["id"] for r in _read_jsonl(path)] == ["1", "2", "4"]
+    assert json.loads(path.read_text().splitlines()[0]) == {"id": "1"}
