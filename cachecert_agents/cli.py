@@ -164,6 +164,8 @@ def write_result_file(path: str, results: Any) -> None:
 
 
 def _parse_pair(text: str) -> tuple[str, str]:
+    if text == "all":
+        return ("all", "all")
     if text.count(":") != 1 or not all(text.split(":")):
         raise argparse.ArgumentTypeError(f"--pair must be SENDER:RECEIVER, got {text!r}")
     sender, receiver = text.split(":")
@@ -186,6 +188,8 @@ def _load_pair(args: argparse.Namespace):
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
 
+    if args.pair == ("all", "all") or args.workload == "all":
+        raise CacheCertError("this command takes one --pair SENDER:RECEIVER and one --workload")
     sender_name, receiver_name = args.pair
     workload = get_workload(args.workload, data=args.data)
     sender = ModelHandle.load(sender_name, device=args.device)
@@ -214,30 +218,51 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval_transfer(args: argparse.Namespace) -> int:
+    """One pair and workload, or every directed pair of embedded models (``--pair all``) and/or every workload
+    (``--workload all``); each run is resumable and merges its rows into the summary file."""
     from pathlib import Path
 
-    from cachecert_agents.eval.transfer_eval import (_read_jsonl, build_mapper, evaluate_transfer,
-                                                     summarise)
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+    from cachecert_agents.eval.workloads import WORKLOADS, get_workload
+    from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.models.registry import EMBEDDED_MODELS
 
-    sender, receiver, workload = _load_pair(args)
-    splits = _parse_splits(args.splits, receiver.geometry.num_layers)
-    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
-    results_dir = Path(args.results_dir)
-    records = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n, results_dir)
-    full = _read_jsonl(results_dir / "full" / f"{receiver.name}__{workload.name}.jsonl".replace("/", "_"))
-    rows = summarise(records, full)
-    for row in rows:
-        row["criterion"] = workload.criterion()
-        row["n_calibration_contexts"] = args.n_calibration
-    if args.summary:
-        _merge_rows(args.summary, rows)
-    if not args.json:
-        for r in rows:
-            print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
-                  f"full={r['score_full']:.3f} transfer={r['score_transfer']:.3f} "
-                  f"no-context={r['score_no_context']:.3f} retention={r['retention'] or 0:.2f} "
-                  f"agreement={r['agreement']:.2f} prefill_saved={r['prefill_saved']:.2f}")
-    _emit(rows, args.json)
+    pairs = ([(s, r) for s in EMBEDDED_MODELS for r in EMBEDDED_MODELS if s != r] if args.pair == ("all", "all")
+             else [args.pair])
+    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    loaded: dict[str, ModelHandle] = {}
+
+    def load_pair(pair: tuple[str, str]) -> tuple[ModelHandle, ModelHandle]:
+        for other in [k for k in loaded if k not in pair]:
+            del loaded[other]  # at most the two models of the current pair stay in memory
+        for name in pair:
+            if name not in loaded:
+                loaded[name] = ModelHandle.load(name, device=args.device)
+        return loaded[pair[0]], loaded[pair[1]]
+
+    all_rows = []
+    for pair in pairs:
+        sender, receiver = load_pair(pair)
+        splits = _parse_splits(args.splits, receiver.geometry.num_layers)
+        for workload_name in workloads:
+            workload = get_workload(workload_name, data=args.data)
+            mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+            records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
+                                              Path(args.results_dir))
+            rows = summarise(records, full)
+            for row in rows:
+                row["criterion"] = workload.criterion()
+                row["n_calibration_contexts"] = args.n_calibration
+            if args.summary:
+                _merge_rows(args.summary, rows)
+            all_rows += rows
+            if not args.json:
+                for r in rows:
+                    print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
+                          f"full={r['score_full']:.3f} transfer={r['score_transfer']:.3f} "
+                          f"no-context={r['score_no_context']:.3f} retention={r['retention'] or 0:.2f} "
+                          f"agreement={r['agreement']:.2f} prefill_saved={r['prefill_saved']:.2f}")
+    _emit(all_rows, args.json)
     return 0
 
 
@@ -308,8 +333,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- parser
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
-    p.add_argument("--workload", required=True, help="hotpotqa, musique, squad-long, report, tool-results")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER",
+                   help="a directed pair; `eval transfer` also takes 'all' (the 12 embedded pairs)")
+    p.add_argument("--workload", required=True,
+                   help="hotpotqa, musique, squad-long, report, tool-results (`eval transfer`: also 'all')")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
 

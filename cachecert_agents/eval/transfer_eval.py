@@ -105,12 +105,19 @@ def _append_jsonl(path: Path, record: dict) -> None:
         os.fsync(fh.fileno())
 
 
+def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path:
+    """Where the receiver's full-prefill answers on a workload are cached (shared by every sender)."""
+    return results_dir / "full" / f"{receiver}__{workload}.jsonl".replace("/", "_")
+
+
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
-                      splits: list[int], n: int, results_dir: Path, progress: bool = True) -> list[dict]:
-    """Run (or resume) the evaluation; returns every record for this pair and workload."""
+                      splits: list[int], n: int, results_dir: Path, progress: bool = True
+                      ) -> tuple[list[dict], list[dict]]:
+    """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
+    full-prefill records (the input of :func:`summarise`)."""
     L = receiver.geometry.num_layers
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
-    full_path = results_dir / "full" / f"{receiver.name}__{workload.name}.jsonl".replace("/", "_")
+    full_path = full_reference_path(results_dir, receiver.name, workload.name)
     done = {(r["id"], r["method"]) for r in _read_jsonl(path)}
     full_done = {r["id"]: r for r in _read_jsonl(full_path)}
     examples = workload.examples("evaluation", limit=n)
@@ -165,7 +172,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-    return _read_jsonl(path)
+    return _read_jsonl(path), _read_jsonl(full_path)
 
 
 def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
