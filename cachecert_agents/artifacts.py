@@ -17,11 +17,15 @@ from safetensors.torch import load_file, save_file
 from cachecert_agents.errors import GeometryMismatchError
 
 
+def artifact_paths(stem: str | Path) -> tuple[Path, Path]:
+    """``(<stem>.safetensors, <stem>.json)``: suffixes are appended, never substituted (model names have dots)."""
+    return Path(f"{stem}.safetensors"), Path(f"{stem}.json")
+
+
 def save_artifact(stem: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> Path:
     """Write ``<stem>.safetensors`` and ``<stem>.json``; returns the safetensors path."""
-    stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    st, js = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    st, js = artifact_paths(stem)
+    st.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(st) + ".tmp")
     Path(str(js) + ".tmp").write_text(json.dumps(header, indent=1))
     os.replace(str(st) + ".tmp", st)
@@ -32,12 +36,12 @@ def save_artifact(stem: str | Path, tensors: dict[str, torch.Tensor], header: di
 def load_artifact(stem: str | Path, fmt: str, expect: dict | None = None, what: str = "artifact"
                   ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read an artifact of format ``fmt``; ``expect`` entries must equal the header's."""
-    stem = Path(stem)
-    header = json.loads(stem.with_suffix(".json").read_text())
+    st, js = artifact_paths(stem)
+    header = json.loads(js.read_text())
     if header.get("format") != fmt:
-        raise ValueError(f"{stem}: not a {fmt} file (format {header.get('format')!r})")
+        raise ValueError(f"{js}: not a {fmt} file (format {header.get('format')!r})")
     check_header(header, expect, f"{what} {stem}")
-    return header, load_file(str(stem.with_suffix(".safetensors")))
+    return header, load_file(str(st))
 
 
 def check_header(header: dict, expect: dict | None, what: str) -> None:

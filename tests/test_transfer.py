@@ -143,3 +143,16 @@ def test_random_map_control_keeps_scale_and_drops_information():
     assert torch.allclose(w.norm(), r.norm()) and not torch.allclose(w, r)
     assert torch.equal(control.biases["kv:0"], mapper.biases["kv:0"])
     assert control.header["control"] == "random-map"
+
+
+def test_artifact_names_with_dots_keep_their_stem(tmp_path):
+    stats, _, _ = _synthetic_stats(torch.randn(4, 2), torch.zeros(2), n_chunks=2, seed=8)
+    mapper = RidgeMapper.fit(stats, rho=1e-3)
+    mapper.save(tmp_path / "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w")
+    stats.save(tmp_path / "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.stats")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.json",
+                     "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.safetensors",
+                     "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.stats.json",
+                     "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.stats.safetensors"]
+    assert RidgeMapper.load(tmp_path / "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w").weights.keys() == {"kv:0"}

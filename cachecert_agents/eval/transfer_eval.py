@@ -26,6 +26,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from cachecert_agents.artifacts import artifact_paths
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
@@ -55,7 +56,7 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
     expect = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
     wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
-    if stem.with_suffix(".json").exists() and not force:
+    if artifact_paths(stem)[1].exists() and not force:
         mapper = RidgeMapper.load(stem, expect=expect)
         if wanted <= set(mapper.header["targets"]) and mapper.header.get("n_calibration_contexts") == n_contexts:
             logger.info("using mapper %s", stem)
@@ -68,7 +69,7 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     hidden_splits = sorted(int(t.split(":")[1]) for t in wanted)
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
                                hidden_splits, header, total=n_contexts)
-    stats.save(stem.with_name(stem.name + ".stats"))
+    stats.save(f"{stem}.stats")
     heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
                                                     cal[n_contexts:n_contexts + n_heldout]],
                                  hidden_splits, header, total=n_heldout)
