@@ -285,6 +285,26 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cachecert_agents.eval.transfer_eval import build_mapper, diagnose_splits
+
+    sender, receiver, workload = _load_pair(args)
+    splits = [s for s in _parse_splits(args.splits, receiver.geometry.num_layers)
+              if 0 < s < receiver.geometry.num_layers]
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+    rows = diagnose_splits(sender, receiver, workload, mapper, splits, args.n, Path(args.results_dir))
+    if args.summary:
+        _merge_rows(args.summary, rows, key=("sender", "receiver", "workload", "split", "variant"))
+    if not args.json:
+        for r in rows:
+            print(f"split@{r['split']:<3} {r['variant']:13} n={r['n']} score={r['score']:.3f} "
+                  f"(full {r['score_full']:.3f}) agreement={r['agreement']:.2f}")
+    _emit(rows, args.json)
+    return 0
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
 
@@ -391,6 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)
+
+    p = esub.add_parser("diagnose", help="split transfer with true KV or true residual stream swapped in")
+    _add_pair_args(p)
+    p.add_argument("--n", type=int, default=12)
+    p.add_argument("--n-calibration", type=int, default=32)
+    p.add_argument("--results-dir", default="docs/results/transfer")
+    p.add_argument("--summary", default="docs/results/transfer_diagnostics.json")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval_diagnose)
 
     p = esub.add_parser("report", help="write transfer.md and frontier plots from transfer.json")
     p.add_argument("--results", default="docs/results/transfer.json")

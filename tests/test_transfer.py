@@ -156,3 +156,24 @@ def test_artifact_names_with_dots_keep_their_stem(tmp_path):
                      "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.stats.json",
                      "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w.stats.safetensors"]
     assert RidgeMapper.load(tmp_path / "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b__w").weights.keys() == {"kv:0"}
+
+
+def test_oracle_transfer_with_everything_true_is_exact(twins):
+    """Diagnostics: true KV below the split and the true residual stream at it reproduce a full prefill."""
+    from cachecert_agents.transfer.features import receiver_targets
+
+    sender, receiver = twins
+    stats = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS[:2]], [2], progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    prompt = receiver.format_prompt(CONTEXTS[3], "where did the cat sit")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[3], "where did the cat sit"))
+    truth = receiver_targets(receiver, prompt, [2])
+    exact = receiver.forward(prompt.input_ids, logits_to_keep=1).logits[-1]
+    both = transfer(receiver, prompt, feats, mapper, split=2, true_targets=truth, oracle="both")
+    got = receiver.continue_from(both.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(got, exact, atol=1e-5)
+    for oracle in ("kv", "hidden"):
+        result = transfer(receiver, prompt, feats, mapper, split=2, true_targets=truth, oracle=oracle)
+        assert result.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
+    with pytest.raises(ValueError, match="oracle"):
+        transfer(receiver, prompt, feats, mapper, split=2, oracle="kv")

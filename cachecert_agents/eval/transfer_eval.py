@@ -213,3 +213,48 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "prefill_s_median": prefill_med, "transfer_s_median": transfer_med,
         })
     return rows
+
+
+def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
+                    splits: list[int], n: int, results_dir: Path, progress: bool = True) -> list[dict]:
+    """Where does a split transfer lose the context? For each split, answer with (a) mapped KV below the split +
+    mapped residual stream at it (the method), (b) the receiver's TRUE KV below + mapped residual stream
+    (``oracle-kv``), (c) mapped KV below + TRUE residual stream (``oracle-hidden``). Resumable JSONL; returns
+    summary rows (score and agreement with the full-prefill answer per variant and split)."""
+    from cachecert_agents.transfer.features import receiver_targets
+
+    L = receiver.geometry.num_layers
+    path = results_dir / f"diagnose__{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
+    full = {r["id"]: r for r in _read_jsonl(full_reference_path(results_dir, receiver.name, workload.name))}
+    done = {(r["id"], r["variant"], r["split"]) for r in _read_jsonl(path)}
+    gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
+    examples = [e for e in workload.examples("evaluation") if e.id in full][:n]
+    prefix_cache = None
+    for ex in tqdm(examples, desc=f"diagnose {sender.name}->{receiver.name}", disable=not progress):
+        todo = [(v, s) for s in splits for v in ("mapped", "oracle-kv", "oracle-hidden") if (ex.id, v, s) not in done]
+        if not todo:
+            continue
+        r_prompt = receiver.format_prompt(ex.context, ex.instruction)
+        prefix_cache = prefix_cache or receiver.prefill(r_prompt.prefix_ids).cache
+        feats = sender_features(sender, sender.format_prompt(ex.context, ex.instruction))
+        truth = receiver_targets(receiver, r_prompt, [s for s in splits if s < L])
+        for variant, s in todo:
+            oracle = None if variant == "mapped" else variant.split("-")[1]
+            result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache,
+                              true_targets=truth, oracle=oracle)
+            answer = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw).text
+            _append_jsonl(path, {"id": ex.id, "variant": variant, "split": s, "answer": answer,
+                                 "score": workload.score(answer, ex.references),
+                                 "agree": workload.agree(answer, full[ex.id]["answer"])})
+    rows = []
+    records = _read_jsonl(path)
+    for s in splits:
+        for variant in ("mapped", "oracle-kv", "oracle-hidden"):
+            recs = [r for r in records if r["split"] == s and r["variant"] == variant]
+            if recs:
+                rows.append({"sender": sender.name, "receiver": receiver.name, "workload": workload.name,
+                             "split": s, "num_layers": L, "variant": variant, "n": len(recs),
+                             "score_full": statistics.mean(full[r["id"]]["score"] for r in recs),
+                             "score": statistics.mean(r["score"] for r in recs),
+                             "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs)})
+    return rows

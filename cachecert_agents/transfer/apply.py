@@ -80,11 +80,17 @@ def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatur
 
 @torch.inference_mode()
 def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeatures, mapper: RidgeMapper,
-             split: int, prefix_cache: Any | None = None) -> TransferResult:
+             split: int, prefix_cache: Any | None = None, true_targets: Any | None = None,
+             oracle: str | None = None) -> TransferResult:
     """Build the receiver's cache for ``prompt.prefix + prompt.context`` from the sender's ``features``.
 
     ``prefix_cache`` is the receiver's own cache of ``prompt.prefix_ids`` (computed when None; it is copied, not
     modified). Returns the cache, ready for ``receiver.generate(prompt.suffix_ids, cache=...)``.
+
+    Diagnostics only: with ``true_targets`` (the receiver's own :class:`ReceiverTargets` for this context),
+    ``oracle="kv"`` uses the true keys/values below the split instead of mapped ones, and ``oracle="hidden"``
+    the true residual stream at the split, so the two parts' share of the error can be measured apart;
+    ``oracle="both"`` reproduces a full prefill (a check of the machinery).
     """
     import copy
 
@@ -102,11 +108,21 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     else:
         stubs = {}
         hidden = None
+        if oracle not in (None, "kv", "hidden", "both") or (oracle and true_targets is None):
+            raise ValueError("oracle must be 'kv', 'hidden' or 'both' and needs true_targets")
         if split < geo.num_layers:
-            x = features.select(mapper.sender_layers(f"hidden:{split}"))
-            hidden = mapper.predict(f"hidden:{split}", x.to(receiver.device))[None]
+            if oracle in ("hidden", "both"):
+                hidden = true_targets.hidden[split].to(receiver.device)[None]
+            else:
+                x = features.select(mapper.sender_layers(f"hidden:{split}"))
+                hidden = mapper.predict(f"hidden:{split}", x.to(receiver.device))[None]
         for layer in range(split):
-            k, v = mapped_kv(receiver, mapper, features, layer, positions)
+            if oracle in ("kv", "both"):
+                k, v = unflatten_kv(true_targets.kv[layer].to(receiver.device), geo.num_kv_heads, geo.head_dim)
+                cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
+                k = apply_rope(k, cos, sin)
+            else:
+                k, v = mapped_kv(receiver, mapper, features, layer, positions)
             stubs[layer] = _MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
         if split == geo.num_layers:
             for layer, stub in stubs.items():
