@@ -34,7 +34,6 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.statistics import PairStatistics
 
 logger = logging.getLogger(__name__)
 
