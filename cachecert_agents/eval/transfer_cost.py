@@ -40,7 +40,8 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix).transfer_s
                      for _ in range(repeats)]
             med = statistics.median(times)
-            rows.append({"sender": sender.name, "receiver": receiver.name, "context_tokens": int(r_prompt.context_ids.numel()),
+            rows.append({"sender": sender.name, "receiver": receiver.name,
+                         "context_tokens": int(r_prompt.context_ids.numel()),
                          "split": s, "num_layers": receiver.geometry.num_layers,
                          "method": "ridge-kv" if s == receiver.geometry.num_layers else f"split@{s}",
                          "prefill_s_median": prefill_med, "transfer_s_median": med,

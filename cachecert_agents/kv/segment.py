@@ -119,7 +119,8 @@ class KVSegment:
         for i, layer in enumerate(self.layers):
             self._check_complete(i, layer)
             device_i = device if device is not None else layer.keys.device
-            cos, sin = rope_tables(self.geometry.rope_for_layer(i), positions.to(device_i)[layer.token_index.to(device_i)])
+            target_positions = positions.to(device_i)[layer.token_index.to(device_i)]
+            cos, sin = rope_tables(self.geometry.rope_for_layer(i), target_positions)
             keys = apply_rope(layer.keys.to(device_i), cos, sin)
             values = layer.values.to(device_i)
             if self.geometry.layer_types[i] == "sliding_attention":
