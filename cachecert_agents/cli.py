@@ -222,7 +222,7 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
     (``--workload all``); each run is resumable and merges its rows into the summary file."""
     from pathlib import Path
 
-    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+    from cachecert_agents.eval.transfer_eval import build_mapper, build_scorer, evaluate_transfer, summarise
     from cachecert_agents.eval.workloads import WORKLOADS, get_workload
     from cachecert_agents.models.handle import ModelHandle
     from cachecert_agents.models.registry import EMBEDDED_MODELS
@@ -247,8 +247,10 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
         for workload_name in workloads:
             workload = get_workload(workload_name, data=args.data)
             mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+            scorer = None if args.no_scores else build_scorer(sender, receiver, workload, mapper)
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
-                                              Path(args.results_dir))
+                                              Path(args.results_dir), scorer=scorer,
+                                              controls=not args.no_controls)
             rows = summarise(records, full)
             for row in rows:
                 row["criterion"] = workload.criterion()
@@ -258,10 +260,13 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
             all_rows += rows
             if not args.json:
                 for r in rows:
+                    fmt = {k: "-" if r.get(k) is None else f"{r[k]:.3f}" for k in (
+                        "score_full", "score_transfer", "score_no_context", "retention", "agreement",
+                        "prefill_saved")}
                     print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
-                          f"full={r['score_full']:.3f} transfer={r['score_transfer']:.3f} "
-                          f"no-context={r['score_no_context']:.3f} retention={r['retention'] or 0:.2f} "
-                          f"agreement={r['agreement']:.2f} prefill_saved={r['prefill_saved']:.2f}")
+                          f"full={fmt['score_full']} transfer={fmt['score_transfer']} "
+                          f"no-context={fmt['score_no_context']} retention={fmt['retention']} "
+                          f"agreement={fmt['agreement']} prefill_saved={fmt['prefill_saved']}")
     _emit(all_rows, args.json)
     return 0
 
@@ -310,6 +315,104 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
 
     out = transfer_markdown(args.results, args.out, args.plots)
     print(f"wrote {out}")
+    return 0
+
+
+def _method_split(method: str, num_layers: int) -> int:
+    if method == "ridge-kv":
+        return num_layers
+    if method.startswith("split@") and method[6:].isdigit():
+        return int(method[6:])
+    raise CacheCertError(f"--method must be ridge-kv or split@K, got {method!r}")
+
+
+def _cmd_certify(args: argparse.Namespace) -> int:
+    """Fit a certificate from labelled requests (running the labelling evaluation first when too few exist)."""
+    from pathlib import Path
+
+    from cachecert_agents.artifacts import artifact_paths
+    from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+    from cachecert_agents.eval.cert_eval import labelled_requests
+    from cachecert_agents.eval.transfer_eval import build_mapper, build_scorer, evaluate_transfer, mapper_stem
+
+    if args.pair == ("all", "all"):
+        raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
+    sender_name, receiver_name = args.pair
+    results_dir = Path(args.results_dir)
+    if Path(args.out).exists() and not args.force:
+        raise CacheCertError(f"{args.out} exists; pass --force to replace it (the old certificate is not kept)")
+    labelled = labelled_requests(results_dir, sender_name, receiver_name, args.workload).get(args.method)
+    if labelled is None or len(labelled) < args.n:
+        have = 0 if labelled is None else len(labelled)
+        if args.no_run:
+            raise CacheCertError(f"{have} labelled requests for {sender_name}->{receiver_name} {args.workload} "
+                                 f"{args.method} in {results_dir}; --n asks for {args.n}. Run without --no-run, or "
+                                 f"`cachecert eval transfer` with risk scores")
+        logger.info("%d labelled requests, %d asked: running the labelling evaluation", have, args.n)
+        sender, receiver, workload = _load_pair(args)
+        split = _method_split(args.method, receiver.geometry.num_layers)
+        mapper = build_mapper(sender, receiver, workload, [split], args.n_calibration)
+        evaluate_transfer(sender, receiver, workload, mapper, [split], args.n, results_dir,
+                          scorer=build_scorer(sender, receiver, workload, mapper), controls=False)
+        labelled = labelled_requests(results_dir, sender_name, receiver_name, args.workload)[args.method]
+    stem = mapper_stem(sender_name, receiver_name, args.workload)
+    st, js = artifact_paths(stem)
+    if not st.exists():
+        raise CacheCertError(f"no mapper at {stem}; run `cachecert calibrate` first")
+    header = json.loads(js.read_text())
+    fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    cert = build_certificate(
+        labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
+        sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),
+        workload=args.workload, method=args.method, split=labelled.split, score=args.score,
+        score_definition=f"cachecert_agents.cert.scores:{args.score} ({__version__})")
+    cert.save(args.out, overwrite=args.force)
+    summary = cert.model_dump()
+    if not args.json:
+        print(f"certificate {args.out}: {cert.control.upper()} alpha={cert.alpha} n={cert.n} lambda={cert.lam:.4g} "
+              f"accepts {cert.accept_rate_calibration:.0%} of calibration transfers (unsafe when always "
+              f"transferring: {cert.unsafe_rate_calibration:.0%})")
+    _emit(summary, args.json)
+    return 0
+
+
+def _cmd_eval_cert(args: argparse.Namespace) -> int:
+    """Split validation of certification for one pair (or every labelled pair with --pair all)."""
+    from pathlib import Path
+
+    from cachecert_agents.eval.cert_eval import labelled_requests, plot_certification, validate, write_markdown
+
+    results_dir = Path(args.results_dir)
+    if args.pair == ("all", "all"):
+        keys = sorted({tuple(p.name[:-len(".jsonl")].split("__")) for p in results_dir.glob("*__*__*.jsonl")})
+    else:
+        keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
+    alphas = [float(a) for a in args.alpha.split(",")]
+    rows = []
+    for sender, receiver, workload in keys:
+        if args.workload != "all" and workload not in args.workload.split(","):
+            continue
+        for method, labelled in labelled_requests(results_dir, sender, receiver, workload).items():
+            if len(labelled) < args.min_n:
+                logger.warning("%s->%s %s %s: %d labelled requests (< --min-n %d), skipped", sender, receiver,
+                               workload, method, len(labelled), args.min_n)
+                continue
+            rows += validate(labelled, alphas, args.splits, delta=args.delta)
+    if not rows:
+        raise CacheCertError(f"no pair with >= {args.min_n} labelled requests in {results_dir}; run "
+                             f"`cachecert eval transfer` (it records risk scores) first")
+    if args.out:
+        _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
+        merged = json.loads(Path(args.out).read_text())["results"]
+        write_markdown(merged, "cachecert " + " ".join(sys.argv[1:]), Path(args.out).with_suffix(".md"))
+        plot_certification(merged, Path(args.plots))
+    if not args.json:
+        for r in rows:
+            if r["control"] == "crc" or args.verbose:
+                print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} {r['score']:9} "
+                      f"{r['control']} alpha={r['alpha']:<5} risk={r['risk_mean']:.3f}+-{r['risk_std']:.3f} "
+                      f"(max {r['risk_max']:.3f}) accept={r['accept_rate']:.2f} saved={r['prefill_saved']:.3f}")
+    _emit([{k: v for k, v in r.items() if k != "test_risks"} for r in rows], args.json)
     return 0
 
 
@@ -408,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
+    p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
+    p.add_argument("--no-controls", action="store_true", help="skip no-context, sender and random-map answers")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)
@@ -427,6 +532,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/results/transfer.md")
     p.add_argument("--plots", default="docs/results/plots")
     p.set_defaults(func=_cmd_eval_report)
+
+    p = esub.add_parser("cert", help="certification validated on many random calibration/test splits")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER", help="or 'all'")
+    p.add_argument("--workload", default="all", help="one or several (comma-separated), or 'all'")
+    p.add_argument("--alpha", default="0.05,0.1,0.2", help="risk budgets, comma-separated")
+    p.add_argument("--delta", type=float, default=0.1, help="LTT's delta (rows for CRC are always made)")
+    p.add_argument("--splits", type=int, default=500, help="random calibration/test splits")
+    p.add_argument("--min-n", type=int, default=40, help="skip methods with fewer labelled requests")
+    p.add_argument("--results-dir", default="docs/results/transfer", help="labelled requests (eval transfer JSONL)")
+    p.add_argument("--out", default="docs/results/cert.json", help="merge rows here (and write cert.md beside)")
+    p.add_argument("--plots", default="docs/results/plots")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval_cert)
+
+    p = sub.add_parser("certify", help="fit a certificate (CRC, or LTT with --delta) from labelled transfers")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv or split@K")
+    p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
+    p.add_argument("--alpha", type=float, required=True, help="risk budget: rate of unsafe transfers served")
+    p.add_argument("--delta", type=float, default=None, help="LTT: the guarantee holds with probability 1-delta")
+    p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
+    p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
+    p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
+    p.add_argument("--results-dir", default="docs/results/transfer")
+    p.add_argument("--out", required=True, help="certificate JSON to write")
+    p.add_argument("--force", action="store_true", help="replace an existing certificate file")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_certify)
 
     bench = sub.add_parser("bench", help="benchmarks: bench transfer-cost")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -24,3 +24,7 @@ class ModelInstallError(CacheCertError):
 
 class GeometryMismatchError(CacheCertError, ValueError):
     """A cache segment, statistic or artifact belongs to a model of another geometry."""
+
+
+class CertificateError(CacheCertError, ValueError):
+    """A certificate is missing, corrupt, or does not belong to the pair, mapper or score it is used with."""

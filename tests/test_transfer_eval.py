@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cachecert_agents.eval.transfer_eval import _append_jsonl, _read_jsonl, method_name, summarise
+from cachecert_agents.eval.transfer_eval import method_name, summarise
+from cachecert_agents.jsonl import append_jsonl as _append_jsonl, read_jsonl as _read_jsonl
 
 
 def _rec(i, method, score, agree, **kw):

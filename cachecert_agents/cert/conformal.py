@@ -304,7 +304,8 @@ def certify(scores: ArrayLike, unsafe: ArrayLike, alpha: float, delta: float | N
 
 
 def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: int, splits: int,
-                     rng_seed: int | None = 0, delta: float | None = None) -> dict[str, Any]:
+                     rng_seed: int | None = 0, delta: float | None = None, gain_accepted: ArrayLike | None = None,
+                     gain_rejected: ArrayLike | None = None) -> dict[str, Any]:
     """Repeat ``splits`` random calibration/test splits of a labelled pool (calibration size ``n_cal``, test =
     the rest), fit ``lam_hat`` on calibration (CRC if ``delta is None`` else LTT) and measure the realised test
     risk ``mean_test 1{score <= lam_hat} * unsafe``.
@@ -314,7 +315,9 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     test-set sampling noise. Infeasible splits are counted in ``n_infeasible`` and excluded from the statistics
     (which are NaN when every split is infeasible). Returns a dict with ``method, alpha, delta, n_cal, n_test,
     splits, n_infeasible, test_risk_mean, test_risk_std, test_risk_se, test_risk_max, frac_risk_above_alpha,
-    accept_rate_mean, test_risks`` (array of the feasible splits' risks)."""
+    accept_rate_mean, test_risks`` (array of the feasible splits' risks). With per-request ``gain_accepted`` and
+    ``gain_rejected`` (e.g. the fraction of prefill saved when a transfer is served, and the negative cost of a
+    refused one), also ``gain_mean, gain_std``: the mean test gain per split, averaged over splits."""
     s, u = _as_arrays(scores, unsafe)
     n = s.size
     n_cal, splits = int(n_cal), int(splits)
@@ -323,8 +326,10 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     rng = np.random.default_rng(rng_seed)
-    risks, accepts = [], []
+    risks, accepts, gains = [], [], []
     n_infeasible = 0
+    ga = None if gain_accepted is None else np.asarray(gain_accepted, dtype=float)
+    gr = np.zeros(n) if gain_rejected is None else np.asarray(gain_rejected, dtype=float)
     for _ in range(splits):
         perm = rng.permutation(n)
         cal, test = perm[:n_cal], perm[n_cal:]
@@ -339,6 +344,8 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         acc = s[test] <= lam
         risks.append(float(np.mean(acc * u[test])))
         accepts.append(float(np.mean(acc)))
+        if ga is not None:
+            gains.append(float(np.mean(np.where(acc, ga[test], gr[test]))))
     r = np.asarray(risks, dtype=float)
     k = r.size
     nan = float("nan")
@@ -358,4 +365,6 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         "frac_risk_above_alpha": float(np.mean(r > alpha)) if k else nan,
         "accept_rate_mean": float(np.mean(accepts)) if k else nan,
         "test_risks": r,
+        **({"gain_mean": float(np.mean(gains)) if gains else nan,
+            "gain_std": float(np.std(gains, ddof=1)) if len(gains) >= 2 else nan} if ga is not None else {}),
     }

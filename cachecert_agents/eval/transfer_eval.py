@@ -16,9 +16,7 @@ resumable. :func:`summarise` turns the records into the rows of ``docs/results/t
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -27,13 +25,16 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_paths
+from cachecert_agents.cert.scores import RiskScorer
 from cachecert_agents.eval.workloads import Workload
+from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
 from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
-from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.features import alignment_for, sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.statistics import PairStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,16 @@ def artifact_stem(sender: str, receiver: str, workload: str) -> str:
     return f"{sender}__{receiver}__{workload}".replace("/", "_")
 
 
+def mapper_stem(sender: str, receiver: str, workload: str, out_dir: Path | None = None) -> Path:
+    """Where a pair's mapper lives (``<stem>.json/.safetensors``; its statistics at ``<stem>.stats.*``)."""
+    return (out_dir or cache_home() / "mappers") / artifact_stem(sender, receiver, workload)
+
+
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
                  n_contexts: int, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False
                  ) -> RidgeMapper:
     """Load the pair's mapper from the user cache, or calibrate it on the workload's calibration split."""
-    out_dir = out_dir or cache_home() / "mappers"
-    stem = out_dir / artifact_stem(sender.name, receiver.name, workload.name)
+    stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir)
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
     expect = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
     wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
@@ -78,31 +83,13 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     return mapper
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a line cut by a crash: everything before it is intact
-                logger.warning("%s: skipping a truncated line", path)
-    return records
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    """Append one record and fsync; a line left unterminated by a crash is closed first, not extended."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    needs_newline = False
-    if path.exists() and path.stat().st_size:
-        with path.open("rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            needs_newline = fh.read(1) != b"\n"
-    with path.open("a") as fh:
-        fh.write(("\n" if needs_newline else "") + json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+def build_scorer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
+                 out_dir: Path | None = None) -> RiskScorer:
+    """The risk scorer of a mapper built by :func:`build_mapper` (reads the statistics saved beside it)."""
+    stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir)
+    expect = {k: mapper.header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    stats = PairStatistics.load(f"{stem}.stats", expect=expect)
+    return RiskScorer.from_statistics(receiver, mapper, stats)
 
 
 def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path:
@@ -111,21 +98,29 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
 
 
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
-                      splits: list[int], n: int, results_dir: Path, progress: bool = True
+                      splits: list[int], n: int, results_dir: Path, progress: bool = True,
+                      scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation"
                       ) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
-    full-prefill records (the input of :func:`summarise`)."""
+    full-prefill records (the input of :func:`summarise`).
+
+    With a ``scorer``, each transfer is answered through its scoring pass and the record carries ``risk``
+    (every score of :mod:`cachecert_agents.cert.scores`) and its cost: these records are the labelled requests
+    that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips the
+    no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
+    ``calibration`` examples; records of a calibration run are kept apart (file suffix ``.cal``)."""
     L = receiver.geometry.num_layers
-    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
-    full_path = full_reference_path(results_dir, receiver.name, workload.name)
-    done = {(r["id"], r["method"]) for r in _read_jsonl(path)}
-    full_done = {r["id"]: r for r in _read_jsonl(full_path)}
-    examples = workload.examples("evaluation", limit=n)
+    suffix = "" if subset == "evaluation" else f".{subset[:3]}"
+    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}{suffix}.jsonl"
+    full_path = full_reference_path(results_dir, receiver.name, workload.name + suffix)
+    done = {(r["id"], r["method"]) for r in read_jsonl(path)}
+    full_done = {r["id"]: r for r in read_jsonl(full_path)}
+    examples = workload.examples(subset, limit=n)
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        methods = [method_name(s, L) for s in splits] + ["no-context", "sender", "random-map"]
+        methods = [method_name(s, L) for s in splits] + (["no-context", "sender", "random-map"] if controls else [])
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
         r_prompt = receiver.format_prompt(ex.context, ex.instruction)
@@ -140,7 +135,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             rec = {"id": ex.id, "receiver": receiver.name, "workload": workload.name, "answer": gen.text,
                    "score": workload.score(gen.text, ex.references), "prefill_s": prefill_s,
                    "context_tokens": int(r_prompt.context_ids.numel())}
-            _append_jsonl(full_path, rec)
+            append_jsonl(full_path, rec)
             full_done[ex.id] = rec
         full = full_done[ex.id]
 
@@ -148,14 +143,14 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             rec = {"id": ex.id, "sender": sender.name, "receiver": receiver.name, "workload": workload.name,
                    "method": method, "answer": answer, "score": workload.score(answer, ex.references),
                    "agree": workload.agree(answer, full["answer"]), "prefill_s": full["prefill_s"], **extra}
-            _append_jsonl(path, rec)
+            append_jsonl(path, rec)
             done.add((ex.id, method))
 
-        if (ex.id, "no-context") not in done:
+        if controls and (ex.id, "no-context") not in done:
             nc = receiver.format_prompt("", ex.instruction)
             record("no-context", receiver.generate(nc.input_ids, **gen_kw).text)
         s_prompt = sender.format_prompt(ex.context, ex.instruction)
-        if (ex.id, "sender") not in done:
+        if controls and (ex.id, "sender") not in done:
             record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
         for s in splits:
@@ -164,15 +159,23 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                 continue
             feats = feats or sender_features(sender, s_prompt)
             result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache)
-            gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
+            extra: dict[str, Any] = {}
+            if scorer is None:
+                gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
+            else:
+                on_receiver = feats.on_receiver_tokens(alignment_for(r_prompt.context_offsets, feats.offsets))
+                risk, out, cost = scorer.scoring_pass(result.cache, r_prompt.suffix_ids, r_prompt.context_span, s,
+                                                      on_receiver)
+                gen = receiver.decode(out.cache, out.logits[-1], **gen_kw)
+                extra = {"risk": risk, **cost}
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
-                   alignment=result.coverage)
-        if (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split
+                   alignment=result.coverage, **extra)
+        if controls and (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split
             feats = feats or sender_features(sender, s_prompt)
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-    return _read_jsonl(path), _read_jsonl(full_path)
+    return read_jsonl(path), read_jsonl(full_path)
 
 
 def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
@@ -224,8 +227,8 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
 
     L = receiver.geometry.num_layers
     path = results_dir / f"diagnose__{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
-    full = {r["id"]: r for r in _read_jsonl(full_reference_path(results_dir, receiver.name, workload.name))}
-    done = {(r["id"], r["variant"], r["split"]) for r in _read_jsonl(path)}
+    full = {r["id"]: r for r in read_jsonl(full_reference_path(results_dir, receiver.name, workload.name))}
+    done = {(r["id"], r["variant"], r["split"]) for r in read_jsonl(path)}
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     examples = [e for e in workload.examples("evaluation") if e.id in full][:n]
     prefix_cache = None
@@ -242,11 +245,11 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
             result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache,
                               true_targets=truth, oracle=oracle)
             answer = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw).text
-            _append_jsonl(path, {"id": ex.id, "variant": variant, "split": s, "answer": answer,
+            append_jsonl(path, {"id": ex.id, "variant": variant, "split": s, "answer": answer,
                                  "score": workload.score(answer, ex.references),
                                  "agree": workload.agree(answer, full[ex.id]["answer"])})
     rows = []
-    records = _read_jsonl(path)
+    records = read_jsonl(path)
     for s in splits:
         for variant in ("mapped", "oracle-kv", "oracle-hidden"):
             recs = [r for r in records if r["split"] == s and r["variant"] == variant]

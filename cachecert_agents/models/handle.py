@@ -247,9 +247,15 @@ class ModelHandle:
         text is cut there), or at the length limit.
         """
         out = self.forward(input_ids, cache, position_ids=position_ids, logits_to_keep=1)
-        cache, logits = out.cache, out.logits[-1]
-        first_logits = logits.clone()
         next_pos = None if position_ids is None else int(position_ids.reshape(-1)[-1]) + 1
+        return self.decode(out.cache, out.logits[-1], max_new_tokens, stop_strings, next_pos)
+
+    @torch.inference_mode()
+    def decode(self, cache: Any, logits: torch.Tensor, max_new_tokens: int = 64, stop_strings: tuple[str, ...] = (),
+               next_position: int | None = None) -> Generation:
+        """Greedy decoding from the last fed token's ``logits`` ``[vocab]`` on top of ``cache`` (the second half
+        of :meth:`generate`, for callers that ran the prompt's last forward themselves, e.g. to score it)."""
+        first_logits = logits.clone()
         tokens: list[int] = []
         reason = "length"
         for _ in range(max_new_tokens):
@@ -263,7 +269,7 @@ class ModelHandle:
                 if any(s in text for s in stop_strings):
                     reason = "stop"
                     break
-            pos = None if next_pos is None else torch.tensor([next_pos + len(tokens) - 1])
+            pos = None if next_position is None else torch.tensor([next_position + len(tokens) - 1])
             step = self.forward(torch.tensor([token]), cache, position_ids=pos)
             cache, logits = step.cache, step.logits[-1]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,0 +1,149 @@
+"""Certificates: the saved decision rule of CacheCert for one (pair, mapper, transfer method, score).
+
+A certificate is one JSON file (no tensors are needed: the rule is ``accept iff score <= lambda``) recording the
+pair and its fingerprints, the mapper it was calibrated with (sha256 of the mapper's tensors), the workload, the
+transfer method, the score definition, the guarantee (``crc``: expected rate of unsafe transfers served
+``<= alpha``; ``ltt``: that rate ``<= alpha`` with probability ``>= 1 - delta``), ``n``, ``lambda``, a
+fingerprint of the labelled calibration requests, the date and the library version. Loading verifies the format
+and a checksum of the content, so a corrupt or hand-edited file is refused, not trusted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from cachecert_agents import __version__
+from cachecert_agents.cert.conformal import certify as fit_threshold
+from cachecert_agents.errors import CertificateError
+
+FORMAT = "cachecert-certificate/1"
+
+
+def calibration_fingerprint(ids: list[str], scores: np.ndarray, unsafe: np.ndarray) -> str:
+    """sha256 (16 hex) of the sorted ``(id, score, label)`` triples the threshold was fitted on."""
+    rows = sorted(f"{i}\t{s:.9g}\t{int(u)}" for i, s, u in zip(ids, scores, unsafe))
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 (16 hex) of a file's bytes (e.g. a mapper's safetensors)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class Certificate(BaseModel):
+    """``accepts(score)`` is the certified rule; see the module docstring for the fields' meaning."""
+
+    format: str = FORMAT
+    sender: str
+    receiver: str
+    pair_fingerprints: dict[str, str]
+    mapper_fingerprint: str
+    workload: str
+    method: str
+    split: int
+    score: str
+    score_definition: str
+    control: Literal["crc", "ltt"]
+    alpha: float
+    delta: float | None
+    n: int
+    threshold: float | Literal["inf", "-inf"]  # "inf": accept every transfer; "-inf": accept none
+    accept_rate_calibration: float
+    empirical_risk_calibration: float
+    unsafe_rate_calibration: float
+    calibration_fingerprint: str
+    created: str
+    library_version: str
+
+    @property
+    def lam(self) -> float:
+        return float(self.threshold)
+
+    def accepts(self, score: float) -> bool:
+        """The certified decision: serve the transfer iff ``score <= lambda`` (ties accepted). NaN is refused."""
+        return bool(score <= self.lam) if not math.isnan(score) else False
+
+    def check_for(self, pair_fingerprints: dict[str, str], mapper_fingerprint: str | None = None,
+                  method: str | None = None) -> None:
+        """Raise :class:`CertificateError` unless this certificate belongs to that pair, mapper and method."""
+        for k, v in pair_fingerprints.items():
+            if self.pair_fingerprints.get(k) != v:
+                raise CertificateError(f"certificate for {self.sender}->{self.receiver} has {k}="
+                                       f"{self.pair_fingerprints.get(k)!r}; this pair has {v!r}")
+        if mapper_fingerprint is not None and mapper_fingerprint != self.mapper_fingerprint:
+            raise CertificateError(f"certificate was calibrated with mapper {self.mapper_fingerprint}, but the "
+                                   f"mapper in use is {mapper_fingerprint}; run `cachecert certify` again")
+        if method is not None and method != self.method:
+            raise CertificateError(f"certificate covers method {self.method}, not {method}")
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write atomically with a content checksum; refuses to replace an existing file unless ``overwrite``."""
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = self.model_dump()
+        payload = dict(body, checksum=_checksum(body))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Certificate":
+        """Read and verify a certificate; any problem is a :class:`CertificateError` naming the file."""
+        path = Path(path)
+        try:
+            payload = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CertificateError(f"no certificate at {path}") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CertificateError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CertificateError(f"{path}: not a {FORMAT} file")
+        checksum = payload.pop("checksum", None)
+        if checksum != _checksum(payload):
+            raise CertificateError(f"{path}: checksum mismatch (corrupt or edited); run `cachecert certify` again")
+        try:
+            return cls.model_validate(payload)
+        except ValidationError as exc:
+            raise CertificateError(f"{path}: invalid certificate: {exc}") from None
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *, alpha: float,
+                      delta: float | None, sender: str, receiver: str, pair_fingerprints: dict[str, str],
+                      mapper_fingerprint: str, workload: str, method: str, split: int, score: str,
+                      score_definition: str) -> Certificate:
+    """Fit the threshold on labelled requests (CRC when ``delta`` is None, else LTT) and wrap it.
+    Raises :class:`~cachecert_agents.cert.conformal.InfeasibleRiskError` when no threshold is certifiable."""
+    scores, unsafe = np.asarray(scores, float), np.asarray(unsafe, float)
+    fit: dict[str, Any] = fit_threshold(scores, unsafe, alpha, delta)
+    lam = fit["lambda"]
+    return Certificate(
+        sender=sender, receiver=receiver, pair_fingerprints=pair_fingerprints,
+        mapper_fingerprint=mapper_fingerprint, workload=workload, method=method, split=split, score=score,
+        score_definition=score_definition, control=fit["method"], alpha=alpha, delta=delta, n=fit["n"],
+        threshold=("inf" if lam > 0 else "-inf") if math.isinf(lam) else float(lam),
+        accept_rate_calibration=fit["accept_rate"], empirical_risk_calibration=fit["empirical_risk_at_lambda"],
+        unsafe_rate_calibration=float(unsafe.mean()),
+        calibration_fingerprint=calibration_fingerprint(ids, scores, unsafe),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        library_version=__version__)

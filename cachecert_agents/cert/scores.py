@@ -1,0 +1,189 @@
+"""Per-request risk scores of a transferred cache, computed without a full prefill (DESIGN.md sections 4-5).
+
+A score is a number where larger means riskier; a certificate accepts a transfer when ``score <= lambda``.
+Every score here comes from one *scoring pass*: the receiver processes the request's suffix over the
+transferred cache (it must do so anyway to answer), with its pre-RoPE queries and attention weights recorded.
+The pass's last logits seed decoding (:meth:`ModelHandle.decode`), so scoring adds only the recording cost.
+
+Scores (:data:`SCORES`):
+
+- ``geometry``: the first-order output deviation of DESIGN.md section 4 evaluated on *this request's* queries
+  and attention, per mapped layer ``l < s`` (keys/values predicted by the mapper)::
+
+      D_l = [ mean_{h,i} q_ih^T Sbar_K q_ih / d  *  S_v  +  mean_{h,i} (sum_j a_ijh^2) tr(G_h Sres_V) ] / E_l
+
+  with ``Sbar_K`` the mapper's key residual covariance averaged over RoPE rotations (each rotary frequency's
+  two channels pooled, cross terms dropped), ``Sres_V`` the value residual covariance, ``G_h = W_O,h^T W_O,h``,
+  ``S_v = tr(G Cov(v))`` the value spread and ``E_l = tr(G E[v v^T])`` the output energy. For a split transfer
+  (``s < L``) the mapped residual stream at ``s`` adds ``relres_s * sum_j abar_j lev_j / dof_s``: the map's
+  relative residual times the leverage of the sender's features (how far from the calibration distribution,
+  ``lev_j = (x_j - mu)^T (Cxx + lam I)^-1 (x_j - mu)``, normalised by its calibration mean ``dof``) weighted by
+  the attention ``abar_j`` the suffix pays to context token j in layers ``>= s``. The kv part is weighted by
+  ``s / L`` and the stream part by ``1 - s / L``. The weights only change the score's power: the conformal
+  guarantee holds for any score.
+- ``entropy``: entropy (nats) of the receiver's first-token distribution.
+- ``margin``: ``1 - (p_top1 - p_top2)`` of that distribution.
+- ``constant``: 0 for every request (a certificate then accepts all or nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cachecert_agents.models.handle import ForwardOutput, ModelHandle
+from cachecert_agents.transfer.features import SenderFeatures
+from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.statistics import PairStatistics
+
+SCORES = ("geometry", "entropy", "margin", "constant")
+
+
+def residual_covariance(stats: PairStatistics, name: str, w: torch.Tensor) -> torch.Tensor:
+    """``[D, D]`` covariance of ``y - (x W + b)`` over the calibration tokens (float64), for the mapper's own
+    ``W`` ``[F, D]`` and the intercept that centres it: ``Cyy - Cyx W - W^T Cxy + W^T Cxx W``."""
+    _, _, cxx, cxy, cyy = stats.centred(name)
+    w = w.double()
+    cross = cxy.T @ w
+    return cyy - cross - cross.T + w.T @ (cxx @ w)
+
+
+def rotation_averaged_diagonal(cov: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """``[..., d]`` diagonal of a per-head covariance ``[..., d, d]`` averaged over RoPE rotations: channel i and
+    ``i + rotary_dim/2`` share their mean variance (transformers' ``rotate_half`` pairing); the rest pass."""
+    diag = torch.diagonal(cov, dim1=-2, dim2=-1).clone()
+    half = rotary_dim // 2
+    pooled = (diag[..., :half] + diag[..., half:rotary_dim]) / 2
+    diag[..., :half], diag[..., half:rotary_dim] = pooled, pooled
+    return diag
+
+
+def entropy_score(logits: torch.Tensor) -> float:
+    """Entropy (nats) of ``softmax(logits)``, ``logits`` ``[vocab]``."""
+    logp = torch.log_softmax(logits.double(), -1)
+    return float(-(logp.exp() * logp).sum())
+
+
+def margin_score(logits: torch.Tensor) -> float:
+    """``1 - (p1 - p2)`` for the two most likely tokens: 0 = certain, 1 = a tie."""
+    top = torch.softmax(logits.double(), -1).topk(2).values
+    return float(1 - (top[0] - top[1]))
+
+
+@dataclass
+class LayerGeometry:
+    """Per mapped receiver layer: ``key_var`` ``[kv_heads, d]`` rotation-averaged key residual variance,
+    ``value_err`` ``[heads]`` ``tr(G_h Sres_V)``, ``spread`` and ``energy`` (scalars, means over heads)."""
+
+    key_var: torch.Tensor
+    value_err: torch.Tensor
+    spread: float
+    energy: float
+
+
+@dataclass
+class StreamGeometry:
+    """The residual-stream map at a split: relative residual, ``mean`` ``[F]`` and ``precision`` ``[F, F]`` of
+    the (ridge-regularised) feature covariance, ``dof`` = the calibration mean of the leverage."""
+
+    relres: float
+    mean: torch.Tensor
+    precision: torch.Tensor
+    dof: float
+    sender_layers: list[int]
+
+
+class RiskScorer:
+    """Scores transfers of one pair (receiver, mapper) from the pair's calibration statistics; see the module
+    docstring. Build with :meth:`from_statistics`, then call :meth:`scoring_pass` per request."""
+
+    def __init__(self, receiver: ModelHandle, layers: dict[int, LayerGeometry], streams: dict[int, StreamGeometry]):
+        self.receiver, self.layers, self.streams = receiver, layers, streams
+
+    @classmethod
+    def from_statistics(cls, receiver: ModelHandle, mapper: RidgeMapper, stats: PairStatistics) -> "RiskScorer":
+        geo = receiver.geometry
+        kvh, hd, heads = geo.num_kv_heads, geo.head_dim, geo.num_heads
+        group = heads // kvh
+        layers: dict[int, LayerGeometry] = {}
+        attn = receiver._attention_modules()
+        for layer in range(geo.num_layers):
+            name = f"kv:{layer}"
+            if name not in mapper.weights or name not in stats.targets:
+                continue
+            res = residual_covariance(stats, name, mapper.weights[name])
+            _, my, _, _, cyy = stats.centred(name)
+            half = kvh * hd
+            blocks = lambda m: torch.stack([m[g * hd:(g + 1) * hd, g * hd:(g + 1) * hd] for g in range(kvh)])  # noqa: E731
+            key_var = rotation_averaged_diagonal(blocks(res[:half, :half]), geo.rope_for_layer(layer).rotary_dim)
+            res_v, cov_v = blocks(res[half:, half:]), blocks(cyy[half:, half:])
+            mv = my[half:].reshape(kvh, hd)
+            wo = attn[layer].o_proj.weight.detach().double().cpu()  # [hidden, heads * d]
+            value_err, spread, energy = [], [], []
+            for h in range(heads):
+                g = h // group
+                w_h = wo[:, h * hd:(h + 1) * hd]
+                gram = w_h.T @ w_h  # G_h [d, d]
+                value_err.append(torch.trace(gram @ res_v[g]))
+                spread.append(torch.trace(gram @ cov_v[g]))
+                energy.append(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g]))))
+            layers[layer] = LayerGeometry(key_var.float(), torch.stack(value_err).float(),
+                                          float(torch.stack(spread).mean()), float(torch.stack(energy).mean()))
+        streams: dict[int, StreamGeometry] = {}
+        for name in mapper.weights:
+            if not name.startswith("hidden:") or name not in stats.targets:
+                continue
+            s = int(name.split(":")[1])
+            mx, _, cxx, _, cyy = stats.centred(name)
+            res = residual_covariance(stats, name, mapper.weights[name])
+            rho = float(mapper.header["targets"][name].get("rho", 1e-2))
+            lam = rho * torch.trace(cxx) / cxx.shape[0]
+            precision = torch.linalg.inv(cxx + lam * torch.eye(cxx.shape[0], dtype=cxx.dtype))
+            streams[s] = StreamGeometry(float(torch.trace(res) / torch.trace(cyy)), mx.float(), precision.float(),
+                                        float(torch.trace(precision @ cxx)), mapper.sender_layers(name))
+        return cls(receiver, layers, streams)
+
+    @torch.inference_mode()
+    def scoring_pass(self, cache: Any, suffix_ids: torch.Tensor, context_span: tuple[int, int], split: int,
+                     features: SenderFeatures | None = None) -> tuple[dict[str, float], ForwardOutput, dict]:
+        """Process ``suffix_ids`` ``[m]`` over the transferred ``cache`` (updated in place) and score it.
+
+        ``features`` are the sender's features already on the receiver's context tokens (needed for the
+        stream term when ``0 < split < L``). Returns ``(scores, forward output, timings)``: ``pass_s`` is the
+        whole recorded suffix pass (a plain pass is needed anyway to answer), ``score_s`` the score arithmetic
+        after it. The forward output's last logits seed :meth:`ModelHandle.decode`.
+        """
+        geo = self.receiver.geometry
+        L = geo.num_layers
+        mapped = [layer for layer in range(split) if layer in self.layers]
+        t_pass = time.perf_counter()
+        with self.receiver.capture_qk(layers=mapped, queries=True, keys=False) as cap:
+            out = self.receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
+        t0 = time.perf_counter()
+        t_pass = t0 - t_pass
+        start, end = context_span
+        scores = {"entropy": entropy_score(out.logits[-1]), "margin": margin_score(out.logits[-1]),
+                  "constant": 0.0}
+        group = geo.num_heads // geo.num_kv_heads
+        kv_terms = []
+        for layer in mapped:
+            g = self.layers[layer]
+            q = cap.query(layer)[0].float()  # [heads, m, d]
+            key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
+            key_term = float(((q * q) * key_var).sum(-1).mean()) / geo.head_dim
+            a = out.attentions[layer][:, :, start:end].float()  # [heads, m, n_context]
+            concentration = (a * a).sum(-1).mean(-1)  # [heads]
+            value_term = float((concentration * g.value_err).mean())
+            kv_terms.append((key_term * g.spread + value_term) / max(g.energy, 1e-12))
+        geometry = (split / L) * (sum(kv_terms) / len(kv_terms)) if kv_terms else 0.0
+        if 0 < split < L and split in self.streams and features is not None:
+            st = self.streams[split]
+            x = features.select(st.sender_layers).float().cpu() - st.mean  # [n_context, F]
+            lev = ((x @ st.precision) * x).sum(-1) / st.dof  # [n_context]
+            abar = torch.stack([a[:, :, start:end].float().mean((0, 1)) for a in out.attentions[split:]]).mean(0)
+            geometry += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())
+        scores["geometry"] = geometry
+        return scores, out, {"pass_s": t_pass, "score_s": time.perf_counter() - t0}

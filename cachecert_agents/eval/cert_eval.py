@@ -1,0 +1,182 @@
+"""``cachecert eval cert`` and the data behind ``cachecert certify``: labelled requests and split validation.
+
+A *labelled request* is one transfer record of ``cachecert eval transfer`` that carries risk scores (see
+:mod:`cachecert_agents.cert.scores`): its label is ``unsafe = not agree`` (the answer served from the transferred
+cache disagrees with the receiver's own full-prefill answer under the workload's criterion).
+
+Prefill saved per request (fraction of the receiver's context prefill time, net of costs):
+
+- served (accepted): ``1 - (transfer_s + overhead) / prefill_s``;
+- refused: ``-(transfer_s + overhead) / prefill_s`` (the transfer and scoring were wasted, then a full prefill);
+
+with ``overhead`` the whole recorded suffix pass plus the score arithmetic for ``geometry`` (conservative: a
+plain suffix pass is needed to answer anyway), the suffix pass only when refused for ``entropy``/``margin``
+(when served, that pass *is* the answer's first step), and 0 for ``constant``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cachecert_agents.cert.conformal import split_validation
+from cachecert_agents.cert.scores import SCORES
+from cachecert_agents.eval.transfer_eval import artifact_stem
+from cachecert_agents.jsonl import read_jsonl
+
+
+@dataclass
+class LabelledRequests:
+    """Labelled transfer requests of one pair, workload and method (arrays aligned with ``ids``)."""
+
+    sender: str
+    receiver: str
+    workload: str
+    method: str
+    split: int
+    ids: list[str]
+    scores: dict[str, np.ndarray]
+    unsafe: np.ndarray
+    prefill_s: np.ndarray
+    transfer_s: np.ndarray
+    pass_s: np.ndarray
+    score_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def gains(self, score: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-request prefill fraction saved if served / if refused (see the module docstring)."""
+        if score == "geometry":
+            served_cost = refused_cost = self.transfer_s + self.pass_s + self.score_s
+        elif score == "constant":
+            served_cost = refused_cost = self.transfer_s
+        else:
+            served_cost, refused_cost = self.transfer_s + self.score_s, self.transfer_s + self.pass_s + self.score_s
+        return 1 - served_cost / self.prefill_s, -refused_cost / self.prefill_s
+
+
+def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str) -> dict[str, LabelledRequests]:
+    """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
+    without risk scores, e.g. controls or runs with ``--no-scores``, are skipped). The last record per
+    (id, method) wins."""
+    path = Path(results_dir) / f"{artifact_stem(sender, receiver, workload)}.jsonl"
+    latest: dict[tuple[str, str], dict] = {}
+    for rec in read_jsonl(path):
+        if "risk" in rec and "agree" in rec:
+            latest[(rec["id"], rec["method"])] = rec
+    out: dict[str, LabelledRequests] = {}
+    for method in sorted({m for _, m in latest}):
+        recs = [r for (_, m), r in sorted(latest.items()) if m == method]
+        arr = lambda key: np.array([float(r.get(key, 0.0)) for r in recs])  # noqa: E731
+        out[method] = LabelledRequests(
+            sender, receiver, workload, method, int(recs[0]["split"]), [r["id"] for r in recs],
+            {s: np.array([float(r["risk"][s]) for r in recs]) for s in SCORES},
+            np.array([0.0 if r["agree"] else 1.0 for r in recs]), arr("prefill_s"), arr("transfer_s"),
+            arr("pass_s"), arr("score_s"))
+    return out
+
+
+def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta: float | None = 0.1,
+             scores: tuple[str, ...] = SCORES, cal_fraction: float = 0.5, seed: int = 0) -> list[dict]:
+    """Rows of ``cert.json``: per score, alpha and control (CRC; and LTT at ``delta``), ``splits`` random
+    calibration/test splits of the labelled pool, realised risk, acceptance and net prefill saved."""
+    n = len(labelled)
+    n_cal = max(1, min(n - 1, int(round(cal_fraction * n))))
+    rows = []
+    for score in scores:
+        served, refused = labelled.gains(score)
+        for alpha in alphas:
+            for d in ([None] if delta is None else [None, delta]):
+                res = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits, rng_seed=seed,
+                                       delta=d, gain_accepted=served, gain_rejected=refused)
+                rows.append({
+                    "sender": labelled.sender, "receiver": labelled.receiver, "workload": labelled.workload,
+                    "method": labelled.method, "alpha": alpha, "delta": d, "control": res["method"],
+                    "score": score, "n_pool": n, "n_cal": n_cal, "splits": splits,
+                    "n_infeasible": res["n_infeasible"],
+                    "risk_mean": res["test_risk_mean"], "risk_std": res["test_risk_std"],
+                    "risk_se": res["test_risk_se"], "risk_max": res["test_risk_max"],
+                    "frac_above_alpha": res["frac_risk_above_alpha"], "accept_rate": res["accept_rate_mean"],
+                    "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
+                    "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
+                    "prefill_saved_always_transfer": float(served.mean()),
+                    "test_risks": [round(float(x), 5) for x in res["test_risks"]],
+                })
+    return rows
+
+
+def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per (pair, workload, method): realised-risk histograms against alpha (CRC, geometry score) and prefill
+    saved against alpha for each score."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    for key in groups:
+        sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
+        stem = "cert_" + "__".join(key).replace("/", "_").replace("@", "")
+        crc_geo = [r for r in sel if r["control"] == "crc" and r["score"] == "geometry"]
+        fig, axes = plt.subplots(1, len(crc_geo), figsize=(4 * len(crc_geo), 3), squeeze=False)
+        for ax, r in zip(axes[0], crc_geo):
+            ax.hist(r["test_risks"], bins=20, color="tab:blue", alpha=0.8)
+            ax.axvline(r["alpha"], color="k", ls="--", label=f"alpha={r['alpha']}")
+            ax.axvline(r["risk_mean"], color="tab:red", label=f"mean={r['risk_mean']:.3f}")
+            ax.set_xlabel("realised risk (test)")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{key[0]}->{key[1]} {key[2]} {key[3]}: CRC, geometry score, {sel[0]['splits']} splits",
+                     fontsize=9)
+        fig.tight_layout()
+        path = out_dir / f"{stem}_risk.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for score in sorted({r["score"] for r in sel}):
+            pts = sorted((r["alpha"], r["prefill_saved"]) for r in sel if r["score"] == score and r["control"] == "crc")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=score)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("alpha (CRC)")
+        ax.set_ylabel("prefill saved (net)")
+        ax.set_title(f"{key[0]}->{key[1]} {key[2]} {key[3]}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{stem}_saved.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_markdown(rows: list[dict], command: str, path: Path) -> None:
+    """``cert.md``: one table per (pair, workload, method)."""
+    lines = ["# CacheCert: certification measured on labelled transfers", "",
+             f"Command: `{command}`", "",
+             "Risk = rate of transfers served (score <= lambda) whose answer disagrees with full prefill, on the "
+             "test half of each random split. Prefill saved is net of transfer and scoring cost, in fractions of "
+             "the receiver's context prefill time (a refused transfer costs its transfer and scoring time).", ""]
+    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    for key in groups:
+        sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
+        r0 = sel[0]
+        lines += [f"## {key[0]} -> {key[1]}, {key[2]}, {key[3]}", "",
+                  f"{r0['n_pool']} labelled requests, calibration {r0['n_cal']}, {r0['splits']} splits; always "
+                  f"transferring: unsafe rate {r0['unsafe_rate_always_transfer']:.3f}, prefill saved "
+                  f"{r0['prefill_saved_always_transfer']:.3f}.", "",
+                  "| score | control | alpha | delta | risk mean | risk std | risk max | P(risk > alpha) | accept | "
+                  "prefill saved | infeasible splits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(sel, key=lambda r: (r["control"], r["alpha"], r["score"])):
+            f = lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"  # noqa: E731
+            lines.append(f"| {r['score']} | {r['control']} | {r['alpha']} | {r['delta'] or '-'} | "
+                         f"{f(r['risk_mean'])} | {f(r['risk_std'])} | {f(r['risk_max'])} | "
+                         f"{f(r['frac_above_alpha'])} | {f(r['accept_rate'])} | {f(r['prefill_saved'])} | "
+                         f"{r['n_infeasible']} |")
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,168 @@
+"""CacheCert: risk scores (synthetic and on tiny models), certificates as artifacts, labelled-request validation."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cachecert_agents.cert.certificate import Certificate, build_certificate
+from cachecert_agents.cert.conformal import InfeasibleRiskError
+from cachecert_agents.cert.scores import (RiskScorer, entropy_score, margin_score, residual_covariance,
+                                          rotation_averaged_diagonal)
+from cachecert_agents.errors import CertificateError
+from cachecert_agents.eval.cert_eval import labelled_requests, validate
+from cachecert_agents.jsonl import append_jsonl
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.calibrate import collect_statistics
+from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.mappers import RidgeMapper
+from tests.conftest import tiny_model
+from tests.test_transfer import CONTEXTS, _synthetic_stats
+
+
+def test_residual_covariance_matches_the_direct_residuals():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=gen)
+    stats, x, y = _synthetic_stats(w, torch.zeros(4), n_chunks=4, seed=1, noise=0.5)
+    mapper = RidgeMapper.fit(stats, rho=0.1)
+    r = y.double() - (x.double() @ mapper.weights["kv:0"].double() + mapper.biases["kv:0"].double())
+    direct = (r - r.mean(0)).T @ (r - r.mean(0)) / r.shape[0]
+    assert torch.allclose(residual_covariance(stats, "kv:0", mapper.weights["kv:0"]), direct, atol=1e-5)
+
+
+def test_rotation_average_pools_each_frequency_pair():
+    cov = torch.diag(torch.tensor([1.0, 3.0, 5.0, 7.0, 9.0, 11.0]))  # rotary_dim 4: (0,2) and (1,3) pair, 4,5 pass
+    got = rotation_averaged_diagonal(cov, rotary_dim=4)
+    assert torch.equal(got, torch.tensor([3.0, 5.0, 3.0, 5.0, 9.0, 11.0]))
+    # the pooled quadratic form is what a query sees averaged over every relative rotation of a frequency
+    theta = torch.linspace(0, 2 * math.pi, 721)[:-1]
+    q = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    c = torch.diag(torch.tensor([1.0, 3.0, 5.0, 7.0]))
+    vals = []
+    for t in theta:  # rotate pair (0,2) by t: transformers' rotate_half convention
+        rot = torch.eye(4)
+        rot[0, 0] = rot[2, 2] = torch.cos(t)
+        rot[0, 2], rot[2, 0] = -torch.sin(t), torch.sin(t)
+        vals.append(q @ rot @ c @ rot.T @ q)
+    assert float(torch.stack(vals).mean()) == pytest.approx(float((q * q) @ rotation_averaged_diagonal(c, 4)), 1e-4)
+
+
+def test_entropy_and_margin_orientation():
+    sure, unsure = torch.tensor([10.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])
+    assert entropy_score(sure) < entropy_score(unsure) == pytest.approx(math.log(3))
+    assert margin_score(sure) < 0.01 and margin_score(unsure) == pytest.approx(1.0)
+
+
+@pytest.fixture
+def tiny_pair(tiny_tokenizer):
+    sender = ModelHandle("tiny-s", tiny_model("llama", seed=1), tiny_tokenizer)
+    receiver = ModelHandle("tiny-r", tiny_model("qwen2", seed=2), tiny_tokenizer)
+    stats = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS], [1], progress=False)
+    return sender, receiver, stats, RidgeMapper.fit(stats, rho=1e-2)
+
+
+def test_scoring_pass_scores_and_answers_like_plain_generation(tiny_pair):
+    sender, receiver, stats, mapper = tiny_pair
+    scorer = RiskScorer.from_statistics(receiver, mapper, stats)
+    L = receiver.geometry.num_layers
+    assert set(scorer.layers) == set(range(L)) and set(scorer.streams) == {1}
+    prompt = receiver.format_prompt(CONTEXTS[1], "where did the cat sit")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[1], "where did the cat sit"))
+    for split in (1, L):
+        plain = receiver.generate(prompt.suffix_ids, transfer(receiver, prompt, feats, mapper, split).cache,
+                                  max_new_tokens=5)
+        cache = transfer(receiver, prompt, feats, mapper, split).cache
+        scores, out, cost = scorer.scoring_pass(cache, prompt.suffix_ids, prompt.context_span, split, feats)
+        assert set(scores) == {"geometry", "entropy", "margin", "constant"}
+        assert all(math.isfinite(v) for v in scores.values()) and scores["geometry"] > 0
+        assert cost["pass_s"] > 0 and cost["score_s"] >= 0
+        assert receiver.decode(out.cache, out.logits[-1], max_new_tokens=5).token_ids == plain.token_ids
+
+
+def test_geometry_score_grows_with_the_mapper_error(tiny_pair):
+    sender, receiver, stats, mapper = tiny_pair
+    L = receiver.geometry.num_layers
+    prompt = receiver.format_prompt(CONTEXTS[2], "where")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[2], "where"))
+    worse = mapper.randomised(seed=3)  # a map that explains nothing leaves the whole variance as residual
+    got = []
+    for m in (mapper, worse):
+        scorer = RiskScorer.from_statistics(receiver, m, stats)
+        cache = transfer(receiver, prompt, feats, m, L).cache
+        got.append(scorer.scoring_pass(cache, prompt.suffix_ids, prompt.context_span, L, feats)[0]["geometry"])
+    assert got[1] > got[0]
+
+
+def _cert(tmp_path, scores, unsafe, alpha=0.2, delta=None):
+    return build_certificate([str(i) for i in range(len(scores))], np.asarray(scores), np.asarray(unsafe),
+                             alpha=alpha, delta=delta, sender="s", receiver="r",
+                             pair_fingerprints={"sender_kv": "a", "receiver_kv": "b"}, mapper_fingerprint="m1",
+                             workload="w", method="ridge-kv", split=4, score="geometry", score_definition="test")
+
+
+def test_certificate_round_trip_and_rule(tmp_path):
+    rng = np.random.default_rng(0)
+    scores = rng.uniform(size=200)
+    unsafe = (rng.uniform(size=200) < scores).astype(float)  # riskier scores fail more often
+    cert = _cert(tmp_path, scores, unsafe)
+    path = cert.save(tmp_path / "c.json")
+    back = Certificate.load(path)
+    assert back == cert and back.control == "crc" and back.n == 200
+    assert back.accepts(back.lam - 1e-9) and back.accepts(back.lam) and not back.accepts(back.lam + 1e-6)
+    assert not back.accepts(float("nan"))
+    back.check_for({"sender_kv": "a"}, "m1", "ridge-kv")
+    with pytest.raises(CertificateError, match="mapper"):
+        back.check_for({"sender_kv": "a"}, "m2")
+    with pytest.raises(CertificateError, match="receiver_kv"):
+        back.check_for({"receiver_kv": "zz"})
+    with pytest.raises(FileExistsError):
+        cert.save(path)  # never silently replaced
+    ltt = _cert(tmp_path, scores, unsafe, alpha=0.2, delta=0.1)
+    assert ltt.control == "ltt" and ltt.lam <= cert.lam
+
+
+def test_certificate_extremes_and_corruption(tmp_path):
+    all_safe = _cert(tmp_path, np.arange(50.0), np.zeros(50))
+    assert all_safe.threshold == "inf" and all_safe.accepts(1e12)
+    Certificate.load(all_safe.save(tmp_path / "inf.json"))
+    none = _cert(tmp_path, np.arange(50.0), np.ones(50), alpha=0.02)  # all unsafe; budget below one in 50
+    assert none.threshold == "-inf"
+    path = none.save(tmp_path / "none.json")
+    assert not Certificate.load(path).accepts(-1e12)  # accept nothing
+    payload = json.loads(path.read_text())
+    payload["alpha"] = 0.5  # a hand edit
+    path.write_text(json.dumps(payload))
+    with pytest.raises(CertificateError, match="checksum"):
+        Certificate.load(path)
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(CertificateError, match="JSON"):
+        Certificate.load(path)
+    with pytest.raises(CertificateError, match="no certificate"):
+        Certificate.load(tmp_path / "missing.json")
+    with pytest.raises(InfeasibleRiskError):
+        _cert(tmp_path, np.arange(5.0), np.ones(5), alpha=0.05)
+
+
+def test_labelled_requests_and_split_validation(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "s__r__w.jsonl"
+    for i in range(120):
+        g = float(rng.uniform())
+        append_jsonl(path, {"id": str(i), "method": "ridge-kv", "split": 4, "agree": bool(rng.uniform() > g),
+                            "prefill_s": 2.0, "transfer_s": 0.1, "pass_s": 0.05, "score_s": 0.01,
+                            "risk": {"geometry": g, "entropy": float(rng.uniform()), "margin": 0.5, "constant": 0.0}})
+        append_jsonl(path, {"id": str(i), "method": "no-context", "agree": True})  # a control: no risk, skipped
+    labelled = labelled_requests(tmp_path, "s", "r", "w")
+    assert list(labelled) == ["ridge-kv"] and len(labelled["ridge-kv"]) == 120
+    rows = validate(labelled["ridge-kv"], [0.1, 0.2], splits=200, delta=0.1)
+    assert len(rows) == 4 * 2 * 2
+    for r in rows:
+        if r["control"] == "crc" and r["n_infeasible"] == 0:
+            assert r["risk_mean"] <= r["alpha"] + 3 * r["risk_se"] + 0.01
+        assert r["prefill_saved"] <= 1 - 0.1 / 2.0
+    geo = next(r for r in rows if r["score"] == "geometry" and r["alpha"] == 0.2 and r["control"] == "crc")
+    const = next(r for r in rows if r["score"] == "constant" and r["alpha"] == 0.2 and r["control"] == "crc")
+    assert geo["prefill_saved"] > const["prefill_saved"]  # an informative score accepts more at the same alpha
