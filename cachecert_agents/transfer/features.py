@@ -14,6 +14,7 @@ text: per layer, pre-RoPE keys and values of the context tokens flattened over K
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,16 +51,25 @@ def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def sender_features(sender: ModelHandle, prompt: PromptSegments) -> SenderFeatures:
-    """Prefill the sender on ``prefix + context`` and keep its normalised residual stream over the context."""
+def prefill_with_features(model: ModelHandle, prompt: PromptSegments, keep_features: bool = True
+                          ) -> tuple[Any, SenderFeatures | None, float]:
+    """Prefill ``prefix + context`` in one forward; returns the cache, the normalised residual stream over the
+    context (when ``keep_features``; what a transfer from this model reads) and the seconds it took."""
     import time
 
     start, end = prompt.context_span
     t0 = time.perf_counter()
-    out = sender.forward(prompt.input_ids[:end], output_hidden_states=True, logits_to_keep=1)
+    out = model.forward(prompt.input_ids[:end], output_hidden_states=keep_features, logits_to_keep=1)
     elapsed = time.perf_counter() - t0
+    if not keep_features:
+        return out.cache, None, elapsed
     hidden = torch.stack([rms_normalise(h[start:end].float()) for h in out.hidden_states])
-    return SenderFeatures(hidden, prompt.context_offsets, elapsed)
+    return out.cache, SenderFeatures(hidden, prompt.context_offsets, elapsed), elapsed
+
+
+def sender_features(sender: ModelHandle, prompt: PromptSegments) -> SenderFeatures:
+    """Prefill the sender on ``prefix + context`` and keep its normalised residual stream over the context."""
+    return prefill_with_features(sender, prompt)[1]
 
 
 def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) -> TokenAlignment | None:

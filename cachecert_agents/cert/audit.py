@@ -1,0 +1,184 @@
+"""Audits in production (DESIGN.md section 6): shadow full prefills of served transfers, a durable log, the
+silent-failure rate per pair and node with a confidence interval, and the rule that takes a pair out of service.
+
+The log is append-only JSONL (:mod:`cachecert_agents.jsonl`): each record is written and fsynced in one
+``write``; a crash can cut only the record being written, which readers skip. A record::
+
+    {"time", "node", "sender", "receiver", "method", "score_name", "score", "lambda", "alpha",
+     "certificate", "agree", "unsafe", "served_answer", "full_answer", "served_s", "full_s"}
+
+A *silent failure* is an audited transfer that was served (certified) and disagrees with the full prefill.
+:func:`wilson_interval` and :func:`clopper_pearson_interval` bound its rate; when the exact (Clopper-Pearson)
+interval's lower bound exceeds the certificate's alpha, the pair is flagged (:class:`AuditMonitor`): the policy
+falls back to prefill and logs that it needs recalibration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from cachecert_agents.jsonl import append_jsonl, read_jsonl
+
+logger = logging.getLogger(__name__)
+
+
+def _normal_quantile(p: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
+    a = [-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02,
+         -3.066479806614716e+01, 2.506628277459239e+00]
+    b = [-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01,
+         -1.328068155288572e+01]
+    c = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549732539343734e+00,
+         4.374664141464968e+00, 2.938163982698783e+00]
+    d = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00]
+    if not 0 < p < 1:
+        raise ValueError(f"p must lie in (0, 1), got {p}")
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - 0.02425:
+        return -_normal_quantile(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
+        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+def wilson_interval(failures: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval (Wilson 1927) for a binomial rate: ``(lower, upper)``; ``(0, 1)`` when ``n == 0``."""
+    if n == 0:
+        return 0.0, 1.0
+    if not 0 <= failures <= n:
+        raise ValueError(f"failures must lie in [0, n={n}], got {failures}")
+    z = _normal_quantile(0.5 + confidence / 2)
+    p = failures / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _binom_sf(k: int, n: int, p: float) -> float:
+    """``P(X >= k)`` for ``X ~ Binomial(n, p)`` (exact sum in log space)."""
+    if k <= 0:
+        return 1.0
+    if p <= 0:
+        return 0.0
+    if p >= 1:
+        return 1.0
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+            + (n - i) * math.log1p(-p) for i in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+
+
+def clopper_pearson_interval(failures: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson 1934) two-sided interval for a binomial rate, by bisection on the binomial tails:
+    conservative (coverage >= ``confidence`` for every true rate), so a pair is never flagged on the luck of a
+    handful of audits. ``(0, 1)`` when ``n == 0``."""
+    if n == 0:
+        return 0.0, 1.0
+    if not 0 <= failures <= n:
+        raise ValueError(f"failures must lie in [0, n={n}], got {failures}")
+    tail = (1 - confidence) / 2
+
+    def solve(f, target: float) -> float:  # f increasing in p
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if failures == 0 else solve(lambda p: _binom_sf(failures, n, p), tail)
+    upper = 1.0 if failures == n else solve(lambda p: _binom_sf(failures + 1, n, p), 1 - tail)
+    return lower, upper
+
+
+def summarise_audits(records: list[dict], confidence: float = 0.95) -> list[dict]:
+    """Silent-failure rate per (sender, receiver, node) and per pair (``node = "*"``), with Wilson intervals."""
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["sender"], r["receiver"], r.get("node") or "-")].append(r)
+        groups[(r["sender"], r["receiver"], "*")].append(r)
+    rows = []
+    for (sender, receiver, node), recs in sorted(groups.items()):
+        k = sum(bool(r["unsafe"]) for r in recs)
+        lo, hi = wilson_interval(k, len(recs), confidence)
+        cp_lo, cp_hi = clopper_pearson_interval(k, len(recs), confidence)
+        alpha = max((r.get("alpha") or 0.0) for r in recs)
+        rows.append({"sender": sender, "receiver": receiver, "node": node, "audited": len(recs),
+                     "silent_failures": k, "rate": k / len(recs), "wilson_low": lo, "wilson_high": hi,
+                     "exact_low": cp_lo, "exact_high": cp_hi, "confidence": confidence, "alpha": alpha,
+                     "above_alpha": cp_lo > alpha})
+    return rows
+
+
+class AuditLog:
+    """The durable audit log: append one record per audited transfer; read back every intact record."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            append_jsonl(self.path, record)
+
+    def records(self) -> list[dict]:
+        return read_jsonl(self.path)
+
+
+class AuditMonitor:
+    """Flags a pair when its audited silent-failure rate is above alpha with the given confidence (the
+    Clopper-Pearson lower bound exceeds alpha). Flagged pairs are served by full prefill until recalibrated (a new certificate
+    clears the flag: :meth:`clear`)."""
+
+    def __init__(self, log: AuditLog, confidence: float = 0.95):
+        self.log, self.confidence = log, confidence
+        self._counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self.flagged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        alphas: dict[tuple[str, str], float] = {}
+        for r in log.records():  # a restarted process remembers what earlier runs audited
+            pair = (r["sender"], r["receiver"])
+            self._counts[pair][0] += bool(r["unsafe"])
+            self._counts[pair][1] += 1
+            alphas[pair] = r["alpha"]
+        for pair, (k, n) in self._counts.items():
+            if clopper_pearson_interval(k, n, confidence)[0] > alphas[pair]:
+                self.flagged.add(pair)
+                logger.warning("audit log %s: %s->%s has %d silent failures in %d audits, above alpha=%g; its "
+                               "transfers fall back to prefill until it is recalibrated", log.path, *pair, k, n,
+                               alphas[pair])
+
+    def record(self, record: dict[str, Any]) -> bool:
+        """Append ``record`` to the log and update the pair's rate; returns True when the pair is (now) flagged."""
+        self.log.append(record)
+        pair = (record["sender"], record["receiver"])
+        with self._lock:
+            counts = self._counts[pair]
+            counts[0] += bool(record["unsafe"])
+            counts[1] += 1
+            lo, hi = clopper_pearson_interval(counts[0], counts[1], self.confidence)
+            if lo > record["alpha"] and pair not in self.flagged:
+                self.flagged.add(pair)
+                logger.warning("audits of %s->%s: %d silent failures in %d (rate %.3f, %.0f%% interval %.3f-%.3f) "
+                               "exceed alpha=%g; transfers for this pair fall back to prefill until it is "
+                               "recalibrated (`cachecert certify`)", *pair, counts[0], counts[1],
+                               counts[0] / counts[1], 100 * self.confidence, lo, hi, record["alpha"])
+            return pair in self.flagged
+
+    def is_flagged(self, sender: str, receiver: str) -> bool:
+        with self._lock:
+            return (sender, receiver) in self.flagged
+
+    def clear(self, sender: str, receiver: str) -> None:
+        """Return a recalibrated pair to service; its earlier audit counts are forgotten (the log keeps them)."""
+        with self._lock:
+            self.flagged.discard((sender, receiver))
+            self._counts.pop((sender, receiver), None)

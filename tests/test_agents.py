@@ -1,0 +1,279 @@
+"""The agent middleware: store, policy (reuse / transfer / prefill), node wrapper in real LangGraph graphs,
+audits, and the fault cases of the issue (each must end in a correct answer or an intact log)."""
+
+import asyncio
+import json
+import operator
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Annotated, TypedDict
+
+import numpy as np
+import pytest
+import torch
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+
+from cachecert_agents.agents.node import ModelCall, cachecert_node
+from cachecert_agents.agents.runtime import CacheCertRuntime, RouteConfig, RuntimeConfig
+from cachecert_agents.agents.store import CachedContext, KVCacheStore, text_key, token_key
+from cachecert_agents.cert.audit import AuditLog, summarise_audits, wilson_interval
+from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
+from cachecert_agents.transfer.mappers import RidgeMapper
+from tests.conftest import tiny_model
+
+DOCS = ["the cat sat on the mat and the dog ran in the park " * 4, "a bird sang in the tree by the river " * 4]
+CONTEXT = "\n\n".join(DOCS)
+
+
+@pytest.fixture
+def pair(tiny_tokenizer):
+    return (ModelHandle("tiny-s", tiny_model("llama", seed=1), tiny_tokenizer),
+            ModelHandle("tiny-r", tiny_model("qwen2", seed=2), tiny_tokenizer))
+
+
+@pytest.fixture
+def artifacts(pair, tmp_path):
+    sender, receiver = pair
+    gen = torch.Generator().manual_seed(0)
+    texts = [sender.tokenizer.decode(torch.randint(4, 320, (120,), generator=gen)) for _ in range(6)]
+    stats = collect_statistics(sender, receiver, [(t, "summarise") for t in texts], [1], progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    mapper.save(tmp_path / "mapper")
+    stats.save(tmp_path / "mapper.stats")
+    header = pair_header(sender, receiver)
+    fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+
+    def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None) -> str:
+        n = 50
+        cert = build_certificate([str(i) for i in range(n)], np.linspace(0, 1, n), np.full(n, float(all_unsafe)),
+                                 alpha=0.02 if all_unsafe else alpha, delta=None, sender="tiny-s", receiver="tiny-r",
+                                 pair_fingerprints=fps,
+                                 mapper_fingerprint=file_fingerprint(tmp_path / "mapper.safetensors"),
+                                 workload="report", method="ridge-kv" if split is None else f"split@{split}",
+                                 split=receiver.geometry.num_layers if split is None else split, score="geometry",
+                                 score_definition="test")
+        return str(cert.save(tmp_path / name, overwrite=True))
+
+    return certificate
+
+
+def make_runtime(pair, tmp_path, cert_path, **cfg):
+    sender, receiver = pair
+    route = RouteConfig(sender="tiny-s", receiver="tiny-r", mapper=str(tmp_path / "mapper"), certificate=cert_path)
+    config = RuntimeConfig(routes=[route], audit_log=str(tmp_path / "audit.jsonl"), audit_in_background=False,
+                           max_new_tokens=6, **cfg)
+    return CacheCertRuntime(config, models={"tiny-s": sender, "tiny-r": receiver})
+
+
+def plain_answer(handle, context, instruction, max_new_tokens=6):
+    return handle.generate(handle.format_prompt(context, instruction).input_ids, max_new_tokens=max_new_tokens).text
+
+
+class State(TypedDict, total=False):
+    documents: list[str]
+    outline: str
+    draft: str
+    review: str
+    decisions: Annotated[list, operator.add]
+
+
+def report_graph(runtime):
+    @cachecert_node(runtime, model="tiny-s", output_key="outline", decisions_key="decisions")
+    def planner(state: State) -> ModelCall:
+        return ModelCall(context=state["documents"], instruction="outline")
+
+    @cachecert_node(runtime, model="tiny-r", output_key="draft", decisions_key="decisions")
+    def writer(state: State, config: RunnableConfig) -> ModelCall:
+        assert config["configurable"]["thread"] == "t1"  # LangGraph still injects config through the wrapper
+        return ModelCall(context=state["documents"], instruction="write from " + state["outline"][:10])
+
+    @cachecert_node(runtime, model="tiny-s", output_key="review", decisions_key="decisions")
+    async def reviewer(state: State) -> ModelCall:
+        return ModelCall(context=state["documents"], instruction="review")
+
+    g = StateGraph(State)
+    for fn in (planner, writer, reviewer):
+        g.add_node(fn.__name__, fn)
+    g.add_edge(START, "planner")
+    g.add_edge("planner", "writer")
+    g.add_edge("writer", "reviewer")
+    g.add_edge("reviewer", END)
+    return g.compile()
+
+
+def test_store_is_lru_under_a_byte_bound(pair):
+    sender, _ = pair
+    prompts = [sender.format_prompt(d, "q") for d in ("one two three", "four five six", "seven eight nine")]
+    entries = []
+    for p in prompts:
+        cache = sender.prefill(torch.cat([p.prefix_ids, p.context_ids])).cache
+        entries.append(CachedContext("tiny-s", token_key("tiny-s", p), text_key(p.context_text), p, cache, None, 0.1))
+    store = KVCacheStore(max_bytes=int(entries[0].nbytes * 2.5))
+    assert store.put(entries[0]) and store.put(entries[1])
+    assert store.get(entries[0].key) is entries[0]  # now most recent: entry 1 is the LRU one
+    assert store.put(entries[2])
+    assert store.get(entries[1].key) is None and store.get(entries[0].key) is entries[0] and store.evictions == 1
+    assert store.nbytes <= store.max_bytes
+    tiny = KVCacheStore(max_bytes=10)
+    assert not tiny.put(entries[0]) and len(tiny) == 0 and tiny.rejected == 1
+    copy = entries[0].fresh_cache()
+    assert copy is not entries[0].cache and copy.get_seq_length() == entries[0].cache.get_seq_length()
+
+
+def test_report_graph_reuses_transfers_and_answers_like_prefill(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"), audit_probability=1.0)
+    graph = report_graph(runtime)
+    out = asyncio.run(graph.ainvoke({"documents": DOCS}, config={"configurable": {"thread": "t1"}}))
+    actions = [d["action"] for d in out["decisions"]]
+    assert actions == ["prefill", "transfer", "reuse"]
+    sender, receiver = pair
+    # prefill and reuse are exact: the same text as the model answering on its own
+    assert out["outline"] == plain_answer(sender, CONTEXT, "outline")
+    assert out["review"] == plain_answer(sender, CONTEXT, "review")
+    transfer = out["decisions"][1]
+    assert transfer["sender"] == "tiny-s" and transfer["score"] is not None and transfer["prefill_tokens_avoided"] > 0
+    assert transfer["audited"]
+    records = AuditLog(tmp_path / "audit.jsonl").records()
+    assert len(records) == 1 and records[0]["receiver"] == "tiny-r"
+    assert records[0]["full_answer"] == plain_answer(receiver, CONTEXT, "write from " + out["outline"][:10])
+    m = runtime.metrics
+    assert m.actions == {"reuse": 1, "transfer": 1, "prefill": 1} and m.audits_done == 1
+    summary = runtime.summary()
+    assert summary["audits"][0]["audited"] == 1 and summary["store"]["entries"] == 1  # transferred caches are not stored
+
+
+def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("refuse.json", all_unsafe=True))
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "refused" in decision.reason
+    assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 1
+
+
+@pytest.mark.parametrize("fault", ["mapper raises", "corrupt certificate", "mismatched certificate",
+                                   "missing certificate"])
+def test_faults_end_in_a_correct_prefilled_answer(pair, artifacts, tmp_path, fault, caplog):
+    cert = artifacts("accept.json")
+    if fault == "corrupt certificate":
+        with open(cert, "a") as fh:
+            fh.write("garbage")
+    elif fault == "mismatched certificate":
+        payload = json.loads(open(cert).read())
+        RidgeMapper.load(tmp_path / "mapper").randomised(1).save(tmp_path / "mapper")  # a different mapper now
+        assert payload["mapper_fingerprint"] != file_fingerprint(tmp_path / "mapper.safetensors")
+    elif fault == "missing certificate":
+        cert = str(tmp_path / "nowhere.json")
+    runtime = make_runtime(pair, tmp_path, cert)
+    if fault == "mapper raises":
+        route = runtime.route("tiny-s", "tiny-r")
+
+        def boom(*a, **k):
+            raise RuntimeError("mapper exploded")
+
+        route.mapper.predict = boom
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    with caplog.at_level("WARNING"):
+        text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill"
+    assert text == plain_answer(pair[1], CONTEXT, "write")
+    expected = {"mapper raises": "mapper exploded", "corrupt certificate": "JSON",
+                "mismatched certificate": "mapper", "missing certificate": "no certificate"}[fault]
+    assert expected in caplog.text or expected in decision.reason
+
+
+def test_two_branches_share_the_store_safely(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"), store_max_bytes=50_000_000)
+
+    class S(TypedDict, total=False):
+        documents: list[str]
+        a: str
+        b: str
+        c: str
+
+    @cachecert_node(runtime, model="tiny-s", output_key="a")
+    def left(state):
+        return ModelCall(context=state["documents"], instruction="left")
+
+    @cachecert_node(runtime, model="tiny-s", output_key="b")
+    def right(state):
+        return ModelCall(context=state["documents"], instruction="right")
+
+    @cachecert_node(runtime, model="tiny-r", output_key="c")
+    def middle(state):
+        return ModelCall(context=state["documents"], instruction="middle")
+
+    g = StateGraph(S)
+    for fn in (left, right, middle):
+        g.add_node(fn.__name__, fn)
+        g.add_edge(START, fn.__name__)
+        g.add_edge(fn.__name__, END)
+    graph = g.compile()
+    for _ in range(3):
+        out = graph.invoke({"documents": DOCS})
+        assert out["a"] == plain_answer(pair[0], CONTEXT, "left")
+        assert out["b"] == plain_answer(pair[0], CONTEXT, "right")
+    assert runtime.metrics.errors == 0 and runtime.metrics.actions["reuse"] >= 4
+
+
+def test_audits_flag_a_failing_pair_and_it_falls_back(pair, artifacts, tmp_path, caplog):
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json", alpha=0.05), audit_probability=1.0)
+    route = runtime.route("tiny-s", "tiny-r")
+    route.agree = lambda served, full: False  # every audited transfer disagrees: a silently failing pair
+    actions = []
+    with caplog.at_level("WARNING"):
+        for i in range(12):
+            ctx = CONTEXT + f" item {i}"
+            runtime.generate("tiny-s", ctx, "outline")
+            actions.append(runtime.generate("tiny-r", ctx, "write")[1].action)
+    assert actions[0] == "transfer" and actions[-1] == "prefill"
+    assert "recalibrated" in caplog.text and runtime.summary()["flagged_pairs"] == ["tiny-s->tiny-r"]
+    rows = summarise_audits(AuditLog(tmp_path / "audit.jsonl").records())
+    pair_row = next(r for r in rows if r["node"] == "*")
+    assert pair_row["above_alpha"] and pair_row["silent_failures"] == pair_row["audited"] >= 2
+
+
+def test_clopper_pearson_interval():
+    from cachecert_agents.cert.audit import clopper_pearson_interval
+
+    lo, hi = clopper_pearson_interval(1, 10)
+    assert lo == pytest.approx(0.00253, abs=1e-4) and hi == pytest.approx(0.44502, abs=1e-4)  # textbook values
+    assert clopper_pearson_interval(0, 10)[0] == 0 and clopper_pearson_interval(10, 10)[1] == 1
+    assert clopper_pearson_interval(1, 1)[0] == pytest.approx(0.025, abs=1e-4)
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0 and 0.25 < hi < 0.35  # textbook: (0, 0.278)
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_a_killed_writer_never_corrupts_earlier_audit_records(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    script = textwrap.dedent(f"""
+        from cachecert_agents.cert.audit import AuditLog
+        log = AuditLog({str(log)!r})
+        i = 0
+        while True:
+            log.append({{"sender": "s", "receiver": "r", "unsafe": False, "alpha": 0.1, "i": i, "pad": "x" * 5000}})
+            i += 1
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=os.getcwd())
+    deadline = time.time() + 60
+    while (not log.exists() or log.stat().st_size < 200_000) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    records = AuditLog(log).records()
+    assert len(records) >= 10 and [r["i"] for r in records] == list(range(len(records)))
+    AuditLog(log).append({"sender": "s", "receiver": "r", "unsafe": True, "alpha": 0.1, "i": -1})
+    after = AuditLog(log).records()
+    assert after[:len(records)] == records and after[-1]["i"] == -1
