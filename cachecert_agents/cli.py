@@ -332,6 +332,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
 
     from cachecert_agents.artifacts import artifact_paths
     from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+    from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.eval.cert_eval import labelled_requests
     from cachecert_agents.eval.transfer_eval import build_mapper, build_scorer, evaluate_transfer, mapper_stem
 
@@ -365,7 +366,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
         sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),
         workload=args.workload, method=args.method, split=labelled.split, score=args.score,
-        score_definition=f"cachecert_agents.cert.scores:{args.score} ({__version__})")
+        score_definition=score_definition(args.score))
     cert.save(args.out, overwrite=args.force)
     summary = cert.model_dump()
     if not args.json:
@@ -432,26 +433,128 @@ def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "
     write_result_file(path, merged)
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    """Until the agent middleware lands, the demo is the best end-to-end job that exists: install the default
-    models, then prove exact cache round trips on each (kv-check) with a context that crosses Gemma's window."""
-    from cachecert_agents.eval.kv_check import kv_check
-    from cachecert_agents.models import registry
-    from cachecert_agents.models.handle import ModelHandle
+def _sample_data() -> str | None:
+    """The FreshWiki sample shipped under ``examples/data/freshwiki`` of a source checkout, if present."""
+    from pathlib import Path
 
-    print("cachecert demo: the agent middleware is not built yet; this demo installs the default embedded models "
-          "and runs the exact KV cache round trip (kv-check) on each.")
-    results = []
-    for name in DEFAULT_DEMO_MODELS:
-        registry.install(name)
-        handle = ModelHandle.load(name)
-        r = kv_check(handle, context_tokens=args.context_tokens)
-        results.append(r)
-        print(f"  {name:22} context {r['context_tokens']} tokens  round-trip max |dlogit| "
-              f"{r['max_abs_logit_diff']:.2e}  corrupted {r['corrupted_max_abs_logit_diff']:.2f}  "
-              f"same next token: {r['same_next_token']}")
-    _emit({"demo": "kv-check", "results": results}, True)
-    return 0 if all(r["max_abs_logit_diff"] <= 1e-3 for r in results) else 1
+    here = Path(__file__).resolve().parents[1] / "examples" / "data" / "freshwiki"
+    return str(here) if here.is_dir() else None
+
+
+def _report_setup(args: argparse.Namespace, audit_log: str):
+    """Models installed, the report workload, a runtime with the certified planner -> writer route."""
+    from cachecert_agents.agents.report_demo import prepare_route
+    from cachecert_agents.agents.runtime import CacheCertRuntime, RuntimeConfig
+    from cachecert_agents.eval.transfer_eval import method_name
+    from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.models import registry
+
+    for name in (args.planner, args.writer):
+        if name in registry.EMBEDDED_MODELS:
+            registry.install(name)
+    workload = get_workload("report", data=args.data or _sample_data())
+    runtime = CacheCertRuntime(RuntimeConfig(audit_log=audit_log, audit_probability=args.audit_probability,
+                                             device=args.device))
+    planner, writer = runtime.model(args.planner), runtime.model(args.writer)
+    split = _parse_splits(args.split, writer.geometry.num_layers)[0]
+    print(f"route {planner.name} -> {writer.name} ({method_name(split, writer.geometry.num_layers)}): mapper, "
+          f"labels and certificate from the calibration articles of {workload.source or workload.name} "
+          f"(cached after the first run)")
+    route = prepare_route(planner, writer, workload, split, alpha=args.alpha, score=args.score,
+                          n_mapper=args.n_mapper)
+    runtime.add_route(route)
+    return runtime, workload
+
+
+def _print_report_summary(summary: dict, records: list[dict]) -> None:
+    m = summary["metrics"]
+    print(f"\n{summary['sets']} document sets, {m['calls']} model steps: " +
+          ", ".join(f"{k} {v}" for k, v in sorted(summary["decisions"].items())))
+    print(f"prefill tokens avoided: {m['prefill_tokens_avoided']} of {m['context_tokens']} context tokens "
+          f"({m['prefill_tokens_avoided'] / max(m['context_tokens'], 1):.0%}); certificate refusals: {m['refused']}; "
+          f"errors that fell back to prefill: {m['errors']}")
+    if "plain_s_total" in summary:
+        print(f"time: wrapped {summary['wrapped_s_total']:.1f} s vs plain prefill at every step "
+              f"{summary['plain_s_total']:.1f} s (median per set {summary['wrapped_s_median']:.1f} vs "
+              f"{summary['plain_s_median']:.1f} s, ratio {summary['time_ratio_median']:.2f})")
+        chk = summary["served_transfers_checked"]
+        if chk["n"]:
+            lo, hi = chk["exact_95_interval"]
+            print(f"every served transfer checked against the plain run: {chk['silent_failures']} of {chk['n']} "
+                  f"disagree (95% interval {lo:.2f}-{hi:.2f})")
+    for a in summary.get("audits", []):
+        if a["node"] == "*":
+            print(f"audits {a['sender']}->{a['receiver']}: {a['audited']} audited, {a['silent_failures']} silent "
+                  f"failures (rate {a['rate']:.2f}, exact 95% interval {a['exact_low']:.2f}-{a['exact_high']:.2f}, "
+                  f"alpha {a['alpha']:g}){' -> FLAGGED' if a['above_alpha'] else ''}")
+    for r in records[:2]:
+        print(f"\n[{r['topic']}] writer: {r['decisions'][1]['action']} ({r['decisions'][1]['reason']})\n"
+              f"  outline: {r['outline'][:160]!r}\n  report:  {r['report'][:200]!r}")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: the report pipeline (planner -> writer -> reviewer) through the wrapper, on the shipped
+    FreshWiki sample, with a certified transfer route, audits, and a comparison with plain prefill."""
+    import datetime
+    from pathlib import Path
+
+    from cachecert_agents.agents.report_demo import run_pipeline, summarise_runs
+    from cachecert_agents.paths import cache_home
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = cache_home() / "demo"
+    runtime, workload = _report_setup(args, str(out_dir / f"audit-{stamp}.jsonl"))
+    examples = workload.examples("evaluation", limit=args.sets)
+    records = run_pipeline(runtime, examples, args.planner, args.writer, agree=workload.agree)
+    summary = summarise_runs(records, runtime)
+    _print_report_summary(summary, records)
+    out = Path(args.out) if args.out else out_dir / f"summary-{stamp}.json"
+    if out.exists():
+        raise CacheCertError(f"{out} exists; choose another --out")
+    write_result_file(str(out), {"summary": summary, "sets": records})
+    print(f"\nsummary written to {out}; audit log {runtime.audit_log.path}")
+    runtime.close()
+    return 0
+
+
+def _cmd_bench_agents(args: argparse.Namespace) -> int:
+    """The report pipeline over many document sets against plain prefill, and the wrapper's own overhead."""
+    from pathlib import Path
+
+    from cachecert_agents.agents.report_demo import run_pipeline, summarise_runs
+    from cachecert_agents.eval.agents_bench import wrapper_overhead, write_agents_markdown
+
+    runtime, workload = _report_setup(args, args.audit_log)
+    examples = workload.examples("evaluation", limit=args.sets)
+    records = run_pipeline(runtime, examples, args.planner, args.writer, agree=workload.agree)
+    summary = summarise_runs(records, runtime)
+    _print_report_summary(summary, records)
+    overhead = wrapper_overhead(runtime.model(args.writer), examples[:args.overhead_steps])
+    print(f"wrapper overhead on a prefill step (nothing to reuse): median {overhead['overhead_median']:.2%} "
+          f"over {overhead['n']} steps")
+    payload = {"summary": summary, "overhead": overhead, "sets": records}
+    write_result_file(args.out, payload)
+    write_agents_markdown(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"))
+    runtime.close()
+    return 0
+
+
+def _cmd_audit_report(args: argparse.Namespace) -> int:
+    from cachecert_agents.cert.audit import AuditLog, summarise_audits
+
+    log = AuditLog(args.log)
+    if not log.path.exists():
+        raise CacheCertError(f"no audit log at {log.path}")
+    rows = summarise_audits(log.records(), args.confidence)
+    if not args.json:
+        for r in rows:
+            print(f"{r['sender']}->{r['receiver']} node={r['node']:10} audited={r['audited']:4d} "
+                  f"silent_failures={r['silent_failures']:3d} rate={r['rate']:.3f} "
+                  f"exact {100 * r['confidence']:.0f}% interval [{r['exact_low']:.3f}, {r['exact_high']:.3f}] "
+                  f"(Wilson [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}]) alpha={r['alpha']:g}"
+                  f"{'  ABOVE ALPHA: recalibrate' if r['above_alpha'] else ''}")
+    _emit(rows, args.json)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- parser
@@ -462,6 +565,19 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
                    help="hotpotqa, musique, squad-long, report, tool-results (`eval transfer`: also 'all')")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+
+
+def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
+    p.add_argument("--sets", type=int, default=sets, help="document sets (FreshWiki evaluation articles)")
+    p.add_argument("--data", help="FreshWiki folder (default: the sample under examples/, else ../shared/data)")
+    p.add_argument("--planner", default="gemma3-270m", help="model of the planner and reviewer nodes")
+    p.add_argument("--writer", default="smollm2-135m", help="model of the writer node (the transfer receiver)")
+    p.add_argument("--split", default="L", help="transfer method of the route: split layer, fraction, or L")
+    p.add_argument("--alpha", type=float, default=0.2, help="certificate risk budget (CRC)")
+    p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
+    p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
+    p.add_argument("--audit-probability", type=float, default=0.5)
+    p.add_argument("--device", default="cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -576,9 +692,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench_transfer_cost)
 
-    p = sub.add_parser("demo", help="the main end-to-end job (see README)")
-    p.add_argument("--context-tokens", type=int, default=640)
+    p = sub.add_parser("demo", help="the main end-to-end job: the report pipeline through the wrapper (see README)")
+    _add_report_args(p, sets=3)
+    p.add_argument("--out", help="summary JSON (default: a new file under $CACHECERT_HOME/demo)")
     p.set_defaults(func=_cmd_demo)
+
+    p = bsub.add_parser("agents", help="report pipeline: wrapper vs plain prefill, audits, wrapper overhead")
+    _add_report_args(p, sets=30)
+    p.add_argument("--overhead-steps", type=int, default=8)
+    p.add_argument("--audit-log", default="docs/results/agents_audit.jsonl")
+    p.add_argument("--out", default="docs/results/agents.json")
+    p.set_defaults(func=_cmd_bench_agents)
+
+    audit = sub.add_parser("audit", help="audit logs: audit report")
+    asub = audit.add_subparsers(dest="audit_command", required=True)
+    p = asub.add_parser("report", help="silent-failure rate per pair and node, with confidence intervals")
+    p.add_argument("log", help="an audit log (JSONL)")
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_audit_report)
     return parser
 
 

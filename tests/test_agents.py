@@ -23,6 +23,7 @@ from cachecert_agents.agents.runtime import CacheCertRuntime, RouteConfig, Runti
 from cachecert_agents.agents.store import CachedContext, KVCacheStore, text_key, token_key
 from cachecert_agents.cert.audit import AuditLog, summarise_audits, wilson_interval
 from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+from cachecert_agents.cert.scores import score_definition
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
 from cachecert_agents.transfer.mappers import RidgeMapper
@@ -58,7 +59,7 @@ def artifacts(pair, tmp_path):
                                  mapper_fingerprint=file_fingerprint(tmp_path / "mapper.safetensors"),
                                  workload="report", method="ridge-kv" if split is None else f"split@{split}",
                                  split=receiver.geometry.num_layers if split is None else split, score="geometry",
-                                 score_definition="test")
+                                 score_definition=score_definition("geometry"))
         return str(cert.save(tmp_path / name, overwrite=True))
 
     return certificate
@@ -146,7 +147,8 @@ def test_report_graph_reuses_transfers_and_answers_like_prefill(pair, artifacts,
     m = runtime.metrics
     assert m.actions == {"reuse": 1, "transfer": 1, "prefill": 1} and m.audits_done == 1
     summary = runtime.summary()
-    assert summary["audits"][0]["audited"] == 1 and summary["store"]["entries"] == 1  # transferred caches are not stored
+    assert summary["audits"][0]["audited"] == 1
+    assert summary["store"]["entries"] == 1  # transferred caches are not stored
 
 
 def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp_path):
@@ -277,3 +279,24 @@ def test_a_killed_writer_never_corrupts_earlier_audit_records(tmp_path):
     AuditLog(log).append({"sender": "s", "receiver": "r", "unsafe": True, "alpha": 0.1, "i": -1})
     after = AuditLog(log).records()
     assert after[:len(records)] == records and after[-1]["i"] == -1
+
+
+def test_langchain_chat_model_goes_through_the_policy(pair, artifacts, tmp_path):
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from cachecert_agents.integrations.langchain import CacheCertChatModel, split_messages
+
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"))
+    planner = CacheCertChatModel(runtime=runtime, model_name="tiny-s", node="planner", max_new_tokens=6)
+    writer = CacheCertChatModel(runtime=runtime, model_name="tiny-r", node="writer", max_new_tokens=6)
+    docs = [HumanMessage(DOCS[0]), HumanMessage(DOCS[1])]
+    first = planner.invoke(docs + [HumanMessage("outline")])
+    second = planner.invoke(docs + [HumanMessage("review")])
+    third = writer.invoke(docs + [HumanMessage("write")])
+    assert [m.response_metadata["cachecert"]["action"] for m in (first, second, third)] == [
+        "prefill", "reuse", "transfer"]
+    system, context, instruction = split_messages([SystemMessage("be brief")] + docs + [HumanMessage("q")])
+    assert first.content == plain_answer(pair[0], context, "outline")
+    assert system == "be brief" and instruction == "q" and context.startswith("human: the cat")
+    with pytest.raises(ValueError, match="non-system"):
+        split_messages([SystemMessage("x")])

@@ -9,8 +9,8 @@ import torch
 
 from cachecert_agents.cert.certificate import Certificate, build_certificate
 from cachecert_agents.cert.conformal import InfeasibleRiskError
-from cachecert_agents.cert.scores import (RiskScorer, entropy_score, margin_score, residual_covariance,
-                                          rotation_averaged_diagonal)
+from cachecert_agents.cert.scores import (SCORE_VERSION, RiskScorer, entropy_score, margin_score,
+                                          residual_covariance, rotation_averaged_diagonal, score_definition)
 from cachecert_agents.errors import CertificateError
 from cachecert_agents.eval.cert_eval import labelled_requests, validate
 from cachecert_agents.jsonl import append_jsonl
@@ -76,7 +76,7 @@ def test_scoring_pass_scores_and_answers_like_plain_generation(tiny_pair):
                                   max_new_tokens=5)
         cache = transfer(receiver, prompt, feats, mapper, split).cache
         scores, out, cost = scorer.scoring_pass(cache, prompt.suffix_ids, prompt.context_span, split, feats)
-        assert set(scores) == {"geometry", "entropy", "margin", "constant"}
+        assert set(scores) == {"geometry", "entropy", "margin", "constant", "version"}
         assert all(math.isfinite(v) for v in scores.values()) and scores["geometry"] > 0
         assert cost["pass_s"] > 0 and cost["score_s"] >= 0
         assert receiver.decode(out.cache, out.logits[-1], max_new_tokens=5).token_ids == plain.token_ids
@@ -100,7 +100,8 @@ def _cert(tmp_path, scores, unsafe, alpha=0.2, delta=None):
     return build_certificate([str(i) for i in range(len(scores))], np.asarray(scores), np.asarray(unsafe),
                              alpha=alpha, delta=delta, sender="s", receiver="r",
                              pair_fingerprints={"sender_kv": "a", "receiver_kv": "b"}, mapper_fingerprint="m1",
-                             workload="w", method="ridge-kv", split=4, score="geometry", score_definition="test")
+                             workload="w", method="ridge-kv", split=4, score="geometry",
+                             score_definition=score_definition("geometry"))
 
 
 def test_certificate_round_trip_and_rule(tmp_path):
@@ -114,6 +115,9 @@ def test_certificate_round_trip_and_rule(tmp_path):
     assert back.accepts(back.lam - 1e-9) and back.accepts(back.lam) and not back.accepts(back.lam + 1e-6)
     assert not back.accepts(float("nan"))
     back.check_for({"sender_kv": "a"}, "m1", "ridge-kv")
+    stale = back.model_copy(update={"score_definition": "cachecert_agents.cert.scores:geometry/v0"})
+    with pytest.raises(CertificateError, match="score"):
+        stale.check_for({"sender_kv": "a"})
     with pytest.raises(CertificateError, match="mapper"):
         back.check_for({"sender_kv": "a"}, "m2")
     with pytest.raises(CertificateError, match="receiver_kv"):
@@ -153,10 +157,14 @@ def test_labelled_requests_and_split_validation(tmp_path):
         g = float(rng.uniform())
         append_jsonl(path, {"id": str(i), "method": "ridge-kv", "split": 4, "agree": bool(rng.uniform() > g),
                             "prefill_s": 2.0, "transfer_s": 0.1, "pass_s": 0.05, "score_s": 0.01,
-                            "risk": {"geometry": g, "entropy": float(rng.uniform()), "margin": 0.5, "constant": 0.0}})
+                            "risk": {"geometry": g, "entropy": float(rng.uniform()), "margin": 0.5, "constant": 0.0,
+                                     "version": SCORE_VERSION}})
+        append_jsonl(path, {"id": str(i), "method": "split@2", "split": 2, "agree": True, "prefill_s": 2.0,
+                            "transfer_s": 0.1, "risk": {"geometry": 0.0, "entropy": 0.0, "margin": 0.0,
+                                                        "constant": 0.0, "version": SCORE_VERSION - 1}})
         append_jsonl(path, {"id": str(i), "method": "no-context", "agree": True})  # a control: no risk, skipped
     labelled = labelled_requests(tmp_path, "s", "r", "w")
-    assert list(labelled) == ["ridge-kv"] and len(labelled["ridge-kv"]) == 120
+    assert list(labelled) == ["ridge-kv"] and len(labelled["ridge-kv"]) == 120  # other score versions: skipped
     rows = validate(labelled["ridge-kv"], [0.1, 0.2], splits=200, delta=0.1)
     assert len(rows) == 4 * 2 * 2
     for r in rows:

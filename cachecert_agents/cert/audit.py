@@ -135,8 +135,8 @@ class AuditLog:
 
 class AuditMonitor:
     """Flags a pair when its audited silent-failure rate is above alpha with the given confidence (the
-    Clopper-Pearson lower bound exceeds alpha). Flagged pairs are served by full prefill until recalibrated (a new certificate
-    clears the flag: :meth:`clear`)."""
+    Clopper-Pearson lower bound exceeds alpha). Flagged pairs are served by full prefill until recalibrated (a new
+    certificate clears the flag: :meth:`clear`)."""
 
     def __init__(self, log: AuditLog, confidence: float = 0.95):
         self.log, self.confidence = log, confidence

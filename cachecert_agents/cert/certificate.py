@@ -88,6 +88,11 @@ class Certificate(BaseModel):
                                    f"mapper in use is {mapper_fingerprint}; run `cachecert certify` again")
         if method is not None and method != self.method:
             raise CertificateError(f"certificate covers method {self.method}, not {method}")
+        from cachecert_agents.cert.scores import score_definition
+
+        if self.score_definition != score_definition(self.score):
+            raise CertificateError(f"certificate was fitted on score {self.score_definition!r}; this library computes "
+                                   f"{score_definition(self.score)!r}; run `cachecert certify` again")
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path, overwrite: bool = False) -> Path:

@@ -10,9 +10,11 @@ Scores (:data:`SCORES`):
 - ``geometry``: the first-order output deviation of DESIGN.md section 4 evaluated on *this request's* queries
   and attention, per mapped layer ``l < s`` (keys/values predicted by the mapper)::
 
-      D_l = [ mean_{h,i} q_ih^T Sbar_K q_ih / d  *  S_v  +  mean_{h,i} (sum_j a_ijh^2) tr(G_h Sres_V) ] / E_l
+      D_l = mean_{h,i} c_ih [ q_ih^T Sbar_K q_ih / d * S_v  +  tr(G_h Sres_V) ] / E_l,   c_ih = sum_j a_ijh^2
 
-  with ``Sbar_K`` the mapper's key residual covariance averaged over RoPE rotations (each rotary frequency's
+  (``c_ih``: how concentrated the attention of query i, head h is on the context; both the key error, through
+  the logits, and the value error reach the output weighted by it) with ``Sbar_K`` the mapper's key residual
+  covariance averaged over RoPE rotations (each rotary frequency's
   two channels pooled, cross terms dropped), ``Sres_V`` the value residual covariance, ``G_h = W_O,h^T W_O,h``,
   ``S_v = tr(G Cov(v))`` the value spread and ``E_l = tr(G E[v v^T])`` the output energy. For a split transfer
   (``s < L``) the mapped residual stream at ``s`` adds ``relres_s * sum_j abar_j lev_j / dof_s``: the map's
@@ -40,6 +42,12 @@ from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.statistics import PairStatistics
 
 SCORES = ("geometry", "entropy", "margin", "constant")
+SCORE_VERSION = 2  # bump when a score's definition changes: labels and certificates of another version are refused
+
+
+def score_definition(score: str) -> str:
+    """The identifier of a score's definition, recorded in labelled requests' certificates."""
+    return f"cachecert_agents.cert.scores:{score}/v{SCORE_VERSION}"
 
 
 def residual_covariance(stats: PairStatistics, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -173,11 +181,11 @@ class RiskScorer:
             g = self.layers[layer]
             q = cap.query(layer)[0].float()  # [heads, m, d]
             key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
-            key_term = float(((q * q) * key_var).sum(-1).mean()) / geo.head_dim
+            key_err = ((q * q) * key_var).sum(-1) / geo.head_dim  # [heads, m]: E[ds^2] per query
             a = out.attentions[layer][:, :, start:end].float()  # [heads, m, n_context]
-            concentration = (a * a).sum(-1).mean(-1)  # [heads]
-            value_term = float((concentration * g.value_err).mean())
-            kv_terms.append((key_term * g.spread + value_term) / max(g.energy, 1e-12))
+            concentration = (a * a).sum(-1)  # [heads, m]
+            per_query = concentration * (key_err * g.spread + g.value_err[:, None])
+            kv_terms.append(float(per_query.mean()) / max(g.energy, 1e-12))
         geometry = (split / L) * (sum(kv_terms) / len(kv_terms)) if kv_terms else 0.0
         if 0 < split < L and split in self.streams and features is not None:
             st = self.streams[split]
@@ -186,4 +194,5 @@ class RiskScorer:
             abar = torch.stack([a[:, :, start:end].float().mean((0, 1)) for a in out.attentions[split:]]).mean(0)
             geometry += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())
         scores["geometry"] = geometry
+        scores["version"] = SCORE_VERSION
         return scores, out, {"pass_s": t_pass, "score_s": time.perf_counter() - t0}

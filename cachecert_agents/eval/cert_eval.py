@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
-from cachecert_agents.cert.scores import SCORES
+from cachecert_agents.cert.scores import SCORE_VERSION, SCORES
 from cachecert_agents.eval.transfer_eval import artifact_stem
 from cachecert_agents.jsonl import read_jsonl
 
@@ -60,12 +60,12 @@ class LabelledRequests:
 
 def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str) -> dict[str, LabelledRequests]:
     """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
-    without risk scores, e.g. controls or runs with ``--no-scores``, are skipped). The last record per
-    (id, method) wins."""
+    without risk scores, e.g. controls or runs with ``--no-scores``, or with scores of another definition
+    version, are skipped). The last record per (id, method) wins."""
     path = Path(results_dir) / f"{artifact_stem(sender, receiver, workload)}.jsonl"
     latest: dict[tuple[str, str], dict] = {}
     for rec in read_jsonl(path):
-        if "risk" in rec and "agree" in rec:
+        if "risk" in rec and "agree" in rec and rec["risk"].get("version") == SCORE_VERSION:
             latest[(rec["id"], rec["method"])] = rec
     out: dict[str, LabelledRequests] = {}
     for method in sorted({m for _, m in latest}):

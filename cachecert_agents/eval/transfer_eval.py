@@ -99,8 +99,8 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
 
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
-                      scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation"
-                      ) -> tuple[list[dict], list[dict]]:
+                      scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
+                      offset: int = 0) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -108,14 +108,14 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     (every score of :mod:`cachecert_agents.cert.scores`) and its cost: these records are the labelled requests
     that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips the
     no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
-    ``calibration`` examples; records of a calibration run are kept apart (file suffix ``.cal``)."""
+    ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
+    records of different subsets in different ``results_dir``."""
     L = receiver.geometry.num_layers
-    suffix = "" if subset == "evaluation" else f".{subset[:3]}"
-    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}{suffix}.jsonl"
-    full_path = full_reference_path(results_dir, receiver.name, workload.name + suffix)
+    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
+    full_path = full_reference_path(results_dir, receiver.name, workload.name)
     done = {(r["id"], r["method"]) for r in read_jsonl(path)}
     full_done = {r["id"]: r for r in read_jsonl(full_path)}
-    examples = workload.examples(subset, limit=n)
+    examples = workload.examples(subset)[offset:offset + n]
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)

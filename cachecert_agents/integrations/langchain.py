@@ -1,0 +1,62 @@
+"""A LangChain chat model over a local model, served through a :class:`CacheCertRuntime` (same policy as the
+node wrapper: exact reuse, certified transfer or prefill, with audits).
+
+Messages map to a model call as follows: system messages become the model's system prompt; every message before
+the last non-system one is the shared *context* (``"<type>: <content>"`` blocks joined by blank lines, so two
+models reading the same conversation share it); the last message is the *instruction*. The decision is returned
+in ``AIMessage.response_metadata["cachecert"]``. Tool calling is not supported by the local models here.
+
+    chat = CacheCertChatModel(runtime=runtime, model_name="smollm2-135m")
+    chat.invoke([SystemMessage("Be brief."), HumanMessage(documents), HumanMessage("Summarise the documents.")])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from pydantic import ConfigDict
+
+from cachecert_agents.agents.runtime import CacheCertRuntime
+
+
+def split_messages(messages: list[BaseMessage]) -> tuple[str | None, str, str]:
+    """``(system, context, instruction)`` of a message list (see the module docstring)."""
+    system = "\n\n".join(str(m.content) for m in messages if isinstance(m, SystemMessage)) or None
+    rest = [m for m in messages if not isinstance(m, SystemMessage)]
+    if not rest:
+        raise ValueError("CacheCertChatModel needs at least one non-system message (the instruction)")
+    context = "\n\n".join(f"{m.type}: {m.content}" for m in rest[:-1])
+    return system, context, str(rest[-1].content)
+
+
+class CacheCertChatModel(BaseChatModel):
+    """LangChain ``BaseChatModel`` whose generations go through ``runtime`` with model ``model_name``."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    runtime: CacheCertRuntime
+    model_name: str
+    node: str | None = None
+    max_new_tokens: int | None = None
+
+    @property
+    def _llm_type(self) -> str:
+        return "cachecert-local"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "node": self.node}
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        system, context, instruction = split_messages(messages)
+        text, decision = self.runtime.generate(self.model_name, context, instruction, system, node=self.node,
+                                               max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
+                                               stop_strings=tuple(stop or ()))
+        message = AIMessage(content=text, response_metadata={"cachecert": decision.as_dict(),
+                                                             "model_name": self.model_name})
+        return ChatResult(generations=[ChatGeneration(message=message)])
