@@ -318,6 +318,55 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cti(args: argparse.Namespace) -> int:
+    """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
+    from pathlib import Path
+
+    from cachecert_agents.eval.cti_eval import correlate, pair_cti
+    from cachecert_agents.eval.transfer_eval import artifact_stem
+    from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.paths import cache_home
+
+    workload = get_workload(args.workload, data=args.data)
+    if args.all:
+        pairs = sorted({tuple(p.name.split("__")[:2]) for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
+                        if p.name.split("__")[2].startswith(f"{workload.name}.")})
+    elif args.pair:
+        pairs = [args.pair]
+    else:
+        raise CacheCertError("give --pair SENDER:RECEIVER or --all")
+    results = []
+    receivers: dict[str, ModelHandle] = {}
+    for sender, receiver in pairs:
+        if receiver not in receivers:
+            receivers.clear()
+            receivers[receiver] = ModelHandle.load(receiver, device=args.device)
+        r = pair_cti(sender, receivers[receiver], workload, args.query_contexts)
+        results.append(r)
+        if not args.json:
+            print(f"{sender}->{receiver} ({workload.name}): CTI {r['cti']:.3f}  mean deviation "
+                  f"{r['mean_deviation']:.4g}  worst layer {r['worst_layer']} ({r['worst_deviation']:.4g})  "
+                  f"baselines: R^2 {r['baselines']['r2']:.3f}, 1-residual {r['baselines']['residual_fraction']:.3f}"
+                  f"  splits: " + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
+    payload: dict = {"pairs": results}
+    if args.all or args.out:
+        transfer_rows = json.loads(Path(args.transfer).read_text())["results"] if Path(args.transfer).exists() else []
+        payload["retention"] = correlate(results, transfer_rows)
+        if not args.json:
+            for name, c in payload["retention"]["correlations"].items():
+                print(f"Spearman vs retention ({name}, {c['n_points']} points): CTI {c['spearman_cti']:.3f}, "
+                      f"1-residual {c['spearman_residual_fraction']:.3f}, R^2 {c['spearman_r2']:.3f}")
+        if args.out:
+            write_result_file(args.out, payload)
+            from cachecert_agents.eval.cti_report import write_cti_report
+
+            write_cti_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"),
+                             Path(args.plots), artifact_stem)
+    _emit(payload if args.all else results[0], args.json)
+    return 0
+
+
 def _method_split(method: str, num_layers: int) -> int:
     if method == "ridge-kv":
         return num_layers
@@ -661,6 +710,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", default="docs/results/plots")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_cert)
+
+    p = sub.add_parser("cti", help="Cache Transferability Index of a pair (or --all) from its statistics")
+    p.add_argument("--pair", type=_parse_pair, metavar="SENDER:RECEIVER")
+    p.add_argument("--all", action="store_true", help="every pair with statistics for the workload")
+    p.add_argument("--workload", default="hotpotqa", help="whose calibration statistics to use")
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
+    p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
+    p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
+    p.add_argument("--plots", default="docs/results/plots")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_cti)
 
     p = sub.add_parser("certify", help="fit a certificate (CRC, or LTT with --delta) from labelled transfers")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")

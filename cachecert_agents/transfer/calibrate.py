@@ -31,8 +31,11 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
     """Stream ``(context, instruction)`` pairs through both models and accumulate moments for every receiver
     layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``)."""
     stats = PairStatistics.empty(header or pair_header(sender, receiver))
+    import time
+
     ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
     n_contexts = 0
+    t0 = time.perf_counter()
     for context, instruction in tqdm(contexts, desc=f"calibrate {sender.name}->{receiver.name}", unit="ctx",
                                      disable=not progress, total=total):
         s_prompt = sender.format_prompt(context, instruction)
@@ -56,5 +59,6 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
         stats.end_context()
         n_contexts += 1
     stats.header["n_contexts"] = n_contexts
+    stats.header["collect_s"] = time.perf_counter() - t0  # both models' passes and the moment updates
     logger.info("collected statistics over %d contexts, %d receiver tokens", n_contexts, stats.n_tokens)
     return stats

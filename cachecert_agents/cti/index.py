@@ -1,0 +1,140 @@
+"""The Cache Transferability Index (DESIGN.md section 4; derivation in docs/cti.md): a pair's predicted output
+deviation under the best linear transfer, from second moments alone (no mapper trained, no generation run).
+
+Inputs: the pair's :class:`PairStatistics` (sender features vs receiver pre-RoPE keys/values, and the residual
+stream at split layers) and the receiver's :class:`QueryStatistics` (rotation-averaged query second moments and
+attention concentration per layer and head, receiver-only: shared by every sender), plus the receiver's output
+projections ``W_O``.
+
+Per receiver layer ``l`` (heads h, KV head g(h), head dim d)::
+
+    Sres            = Syy - Syx (Sxx + lam I)^-1 Sxy                 (Schur complement: best linear map's residual)
+    E[ds^2]_h       = sum_c qbar2_hc * sbar_res,K,g(h),c / d          (query-weighted key residual, RoPE-averaged)
+    D_l             = mean_h conc_h * (E[ds^2]_h * S_v,h + tr(G_h Sres_V,g(h))) / mean_h E_h
+    S_v,h = tr(G_h Cov(v_g(h))),  E_h = tr(G_h E[v v^T]),  G_h = W_O,h^T W_O,h,  conc_h = E_i[sum_j a_ij^2]
+
+The index of a pure KV transfer is ``CTI = -log10(mean_l D_l)`` (higher = more transferable); the profile
+``D_l`` and the worst layer are reported. For a split transfer at ``s`` the predicted deviation is the mean of
+``D_l`` over the mapped layers ``l < s`` weighted by ``s / L`` plus the residual stream map's relative residual
+``tr(Sres_H) / tr(Syy_H)`` weighted by ``1 - s / L`` (the same combination the per-request geometry score uses).
+
+Baselines on the same statistics: ``r2`` (calibration R^2 of the best linear map, pooled over K and V: error
+magnitude only) and ``residual_fraction`` (unweighted ``tr(Sres) / tr(Syy)`` per layer, averaged), both
+oriented so that higher means more transferable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cachecert_agents.cert.scores import rotation_averaged_diagonal
+from cachecert_agents.cti.queries import QueryStatistics
+from cachecert_agents.transfer.statistics import PairStatistics
+
+
+def schur_residual(stats: PairStatistics, name: str, rho: float = 1e-2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Sres [D, D], Syy [D, D])`` of target ``name``: the residual covariance of the best (ridge, relative
+    ``rho``) linear map from the features, ``Syy - Syx (Sxx + lam I)^-1 Sxy`` with ``lam = rho tr(Sxx)/F``."""
+    _, _, cxx, cxy, cyy = stats.centred(name)
+    f = cxx.shape[0]
+    a = cxx + rho * torch.trace(cxx) / f * torch.eye(f, dtype=cxx.dtype)
+    sol = torch.cholesky_solve(cxy, torch.linalg.cholesky(a))
+    res = cyy - cxy.T @ sol
+    return (res + res.T) / 2, cyy
+
+
+@dataclass
+class LayerTerms:
+    """Per receiver layer: key term, value term, normaliser and deviation ``D``; plus the baselines' parts."""
+
+    layer: int
+    key_term: float
+    value_term: float
+    energy: float
+    deviation: float
+    residual_fraction: float
+
+
+def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, q2: torch.Tensor,
+                conc: torch.Tensor, w_o: torch.Tensor, kv_heads: int, head_dim: int, rotary_dim: int) -> LayerTerms:
+    """The deviation of one layer from its residual ``res`` and moments ``cyy`` ``[2 Hk d, 2 Hk d]`` (keys then
+    values, head-major), ``mean_y`` ``[2 Hk d]``, query moments ``q2`` ``[H, d]`` (uncentred, per channel),
+    attention concentration ``conc`` ``[H]`` and ``w_o`` ``[hidden, H d]`` (all float64)."""
+    heads = q2.shape[0]
+    group = heads // kv_heads
+    half = kv_heads * head_dim
+    blocks = lambda m: torch.stack([m[g * head_dim:(g + 1) * head_dim, g * head_dim:(g + 1) * head_dim]  # noqa: E731
+                                    for g in range(kv_heads)])
+    key_var = rotation_averaged_diagonal(blocks(res[:half, :half]), rotary_dim)  # [Hk, d]
+    q2bar = rotation_averaged_diagonal(torch.diag_embed(q2), rotary_dim)  # [H, d]
+    res_v, cov_v = blocks(res[half:, half:]), blocks(cyy[half:, half:])
+    mv = mean_y[half:].reshape(kv_heads, head_dim)
+    key_terms, value_terms, spreads, energies = [], [], [], []
+    for h in range(heads):
+        g = h // group
+        w_h = w_o[:, h * head_dim:(h + 1) * head_dim]
+        gram = w_h.T @ w_h
+        key_terms.append(float((q2bar[h] * key_var[g]).sum()) / head_dim)
+        value_terms.append(float(torch.trace(gram @ res_v[g])))
+        spreads.append(float(torch.trace(gram @ cov_v[g])))
+        energies.append(float(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g])))))
+    c = conc.tolist()
+    energy = sum(energies) / heads
+    dev = sum(c[h] * (key_terms[h] * spreads[h] + value_terms[h]) for h in range(heads)) / heads / max(energy, 1e-30)
+    return LayerTerms(layer, sum(key_terms) / heads, sum(c[h] * value_terms[h] for h in range(heads)) / heads,
+                      energy, dev, float(torch.trace(res) / torch.trace(cyy)))
+
+
+def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2) -> dict[str, Any]:
+    """The index, its per-layer profile, split-layer predictions and the baselines for one pair (see the module
+    docstring). ``receiver`` is the receiver's :class:`ModelHandle` (geometry and ``W_O``)."""
+    geo = receiver.geometry
+    attn = receiver._attention_modules()
+    layers: list[LayerTerms] = []
+    r2_num = r2_den = 0.0
+    for layer in range(geo.num_layers):
+        name = f"kv:{layer}"
+        if name not in stats.targets:
+            continue
+        res, cyy = schur_residual(stats, name, rho)
+        mean_y = stats.targets[name].sum_y / stats.n_tokens
+        layers.append(layer_terms(layer, res, cyy, mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
+                                  attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
+                                  geo.rope_for_layer(layer).rotary_dim))
+        r2_num += float(torch.trace(res))
+        r2_den += float(torch.trace(cyy))
+    if not layers:
+        raise ValueError("the statistics hold no kv:* targets")
+    devs = [t.deviation for t in layers]
+    mean_dev = sum(devs) / len(devs)
+    worst = max(layers, key=lambda t: t.deviation)
+    L = geo.num_layers
+    splits = {}
+    for name in stats.targets:
+        if name.startswith("hidden:"):
+            s = int(name.split(":")[1])
+            res, cyy = schur_residual(stats, name, rho)
+            relres = float(torch.trace(res) / torch.trace(cyy))
+            below = [t.deviation for t in layers if t.layer < s]
+            pred = (s / L) * (sum(below) / len(below) if below else 0.0) + (1 - s / L) * relres
+            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres,
+                         "residual_fraction": 1 - ((s / L) * sum(t.residual_fraction for t in layers if t.layer < s)
+                                                   / max(len(below), 1) + (1 - s / L) * relres)}
+    splits[L] = {"predicted_deviation": mean_dev, "cti": -math.log10(max(mean_dev, 1e-30)),
+                 "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)}
+    return {
+        "sender": stats.header.get("sender"), "receiver": stats.header.get("receiver"),
+        "statistics_workload": stats.header.get("workload"), "n_tokens": stats.n_tokens,
+        "query_tokens": queries.n_tokens, "rho": rho,
+        "cti": -math.log10(max(mean_dev, 1e-30)), "mean_deviation": mean_dev,
+        "worst_layer": worst.layer, "worst_deviation": worst.deviation,
+        "profile": [{"layer": t.layer, "deviation": t.deviation, "key_term": t.key_term,
+                     "value_term": t.value_term, "residual_fraction": t.residual_fraction} for t in layers],
+        "splits": {str(k): v for k, v in sorted(splits.items())},
+        "baselines": {"r2": 1 - r2_num / r2_den,
+                      "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)},
+    }

@@ -1,0 +1,114 @@
+"""``cachecert cti``: the index for one pair or every pair with statistics, and its rank correlation with the
+retention measured by ``cachecert eval transfer`` (rows of ``transfer.json``), next to the baselines'.
+
+Each measured row (sender, receiver, workload, method) is matched with the prediction for the same pair and
+method: ``ridge-kv`` uses the pure-KV index, ``split@s`` the split prediction at ``s`` (available when the pair's
+statistics hold the residual stream at ``s``). Spearman's rho is computed per workload and pooled.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cachecert_agents.cti.index import compute_cti
+from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
+from cachecert_agents.eval.transfer_eval import mapper_stem
+from cachecert_agents.eval.workloads import Workload
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.paths import cache_home
+from cachecert_agents.transfer.statistics import PairStatistics
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); NaN with fewer than 3 points or a constant input."""
+    if len(x) < 3:
+        return float("nan")
+
+    def ranks(v: list[float]) -> np.ndarray:
+        a = np.asarray(v, dtype=float)
+        order = a.argsort(kind="mergesort")
+        r = np.empty(len(a))
+        r[order] = np.arange(len(a), dtype=float)
+        for value in np.unique(a):
+            tied = a == value
+            r[tied] = r[tied].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def query_statistics(receiver: ModelHandle, workload: Workload, n_contexts: int = 8) -> tuple[QueryStatistics, float]:
+    """The receiver's query statistics on ``workload``'s calibration split (cached); returns them and the seconds
+    spent computing them now (0 when cached)."""
+    stem = cache_home() / "queries" / f"{receiver.name}__{workload.name}".replace("/", "_")
+    expect = {"receiver_kv": receiver.geometry.kv_fingerprint()}
+    if Path(f"{stem}.json").exists():
+        stats = QueryStatistics.load(stem, expect=expect)
+        if stats.header.get("n_contexts") == n_contexts:
+            return stats, 0.0
+    t0 = time.perf_counter()
+    cal = workload.examples("calibration", limit=n_contexts)
+    stats = collect_query_statistics(receiver, [(e.context, e.instruction) for e in cal], workload.name,
+                                     total=len(cal))
+    stats.save(stem)
+    return stats, time.perf_counter() - t0
+
+
+def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8
+             ) -> dict[str, Any]:
+    """The index of ``sender -> receiver`` from the statistics saved by ``cachecert calibrate`` for ``workload``,
+    with its cost: the statistics pass (recorded when it ran), the query pass and the index arithmetic."""
+    stem = mapper_stem(sender_name, receiver.name, workload.name)
+    if not Path(f"{stem}.stats.json").exists():
+        raise FileNotFoundError(f"no statistics for {sender_name}->{receiver.name} on {workload.name} at "
+                                f"{stem}.stats.*; run `cachecert calibrate --pair {sender_name}:{receiver.name} "
+                                f"--workload {workload.name}` first")
+    stats = PairStatistics.load(f"{stem}.stats", expect={"receiver_kv": receiver.geometry.kv_fingerprint()})
+    queries, query_s = query_statistics(receiver, workload, n_query_contexts)
+    t0 = time.perf_counter()
+    result = compute_cti(stats, queries, receiver)
+    result["cost"] = {"index_s": time.perf_counter() - t0, "query_pass_s": query_s or None,
+                      "statistics_pass_s": stats.header.get("collect_s")}
+    result["workload"] = workload.name
+    return result
+
+
+def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, Any]:
+    """Spearman's rho between predicted transferability and measured retention, per workload and pooled, for
+    the CTI and each baseline; returns the matched points too."""
+    points = []
+    for row in transfer_rows:
+        if row.get("retention") is None or row["method"] in ("no-context", "sender", "random-map"):
+            continue
+        pred = next((p for p in predictions if p["sender"] == row["sender"] and p["receiver"] == row["receiver"]
+                     and p["workload"] == row["workload"]), None)
+        if pred is None:
+            continue
+        if row["method"] == "ridge-kv":
+            split = str(max(int(k) for k in pred["splits"]))
+        elif row["method"].startswith("split@"):
+            split = row["method"][len("split@"):]
+        else:
+            continue
+        sp = pred["splits"].get(split)
+        if sp is None:
+            continue
+        points.append({"sender": row["sender"], "receiver": row["receiver"], "workload": row["workload"],
+                       "method": row["method"], "n": row["n"], "retention": row["retention"],
+                       "agreement": row.get("agreement"), "cti": sp["cti"],
+                       "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"]})
+    out: dict[str, Any] = {"points": points, "correlations": {}}
+    workloads = sorted({p["workload"] for p in points})
+    groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w] for w in workloads}
+    for name, pts in groups.items():
+        out["correlations"][name] = {"n_points": len(pts), **{
+            f"spearman_{key}": spearman([p[key] for p in pts], [p["retention"] for p in pts])
+            for key in ("cti", "residual_fraction", "r2")}}
+    return out

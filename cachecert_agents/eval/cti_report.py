@@ -1,0 +1,68 @@
+"""``cti.md`` and the CTI plots (per-layer deviation profiles; CTI against measured retention)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+
+def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str, str, str], str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = payload["results"]
+    pairs, corr = res["pairs"], res.get("retention", {})
+    plots.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for p in pairs:
+        ax.plot([t["layer"] for t in p["profile"]], [t["deviation"] for t in p["profile"]], marker=".",
+                label=f"{p['sender']}->{p['receiver']}")
+    ax.set_yscale("log")
+    ax.set_xlabel("receiver layer")
+    ax.set_ylabel("predicted deviation D_l")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plots / "cti_profiles.png", dpi=110)
+    plt.close(fig)
+    points = corr.get("points", [])
+    if points:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for p in points:
+            ax.scatter(p["cti"], p["retention"])
+            ax.annotate(f"{p['sender'][:6]}>{p['receiver'][:6]} {p['method']}", (p["cti"], p["retention"]),
+                        fontsize=6)
+        ax.set_xlabel("CTI (predicted, statistics only)")
+        ax.set_ylabel("measured retention")
+        fig.tight_layout()
+        fig.savefig(plots / "cti_vs_retention.png", dpi=110)
+        plt.close(fig)
+    f = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
+    lines = ["# Cache Transferability Index: measured", "", f"Command: `{payload['command']}`  ",
+             f"Date: {payload['date']}; machine: {payload['machine']}", "",
+             "How it is computed: [../cti.md](../cti.md). Higher CTI = more transferable.", "",
+             "| pair | statistics tokens | CTI (pure KV) | worst layer | R^2 baseline | 1 - residual | split CTIs | "
+             "cost: statistics pass / query pass / index (s) |", "|---|---|---|---|---|---|---|---|"]
+    for p in pairs:
+        c = p["cost"]
+        lines.append(f"| {p['sender']} -> {p['receiver']} | {p['n_tokens']} | {p['cti']:.3f} | {p['worst_layer']} | "
+                     f"{p['baselines']['r2']:.3f} | {p['baselines']['residual_fraction']:.3f} | "
+                     + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in p["splits"].items())
+                     + f" | {f(c.get('statistics_pass_s'))} / {f(c.get('query_pass_s'))} / {f(c['index_s'])} |")
+    if corr:
+        lines += ["", "## Rank correlation with measured retention", "",
+                  "| group | points | Spearman CTI | Spearman 1-residual | Spearman R^2 |", "|---|---|---|---|---|"]
+        for name, c in corr["correlations"].items():
+            lines.append(f"| {name} | {c['n_points']} | {f(c['spearman_cti'])} | "
+                         f"{f(c['spearman_residual_fraction'])} | {f(c['spearman_r2'])} |")
+        lines += ["", "| pair | workload | method | n | retention | agreement | CTI | 1-residual | R^2 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for p in points:
+            lines.append(f"| {p['sender']} -> {p['receiver']} | {p['workload']} | {p['method']} | {p['n']} | "
+                         f"{f(p['retention'])} | {f(p['agreement'])} | {f(p['cti'])} | {f(p['residual_fraction'])} | "
+                         f"{f(p['r2'])} |")
+    lines += ["", "![profiles](plots/cti_profiles.png)"] + (
+        ["![CTI vs retention](plots/cti_vs_retention.png)"] if points else [])
+    path.write_text("\n".join(lines) + "\n")

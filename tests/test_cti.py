@@ -1,0 +1,97 @@
+"""CTI: closed-form checks on synthetic statistics, the query-geometry property, and receiver query statistics
+against the model's own attention weights."""
+
+import math
+
+import pytest
+import torch
+
+from cachecert_agents.cti.index import layer_terms, schur_residual
+from cachecert_agents.cti.queries import attention_concentration, collect_query_statistics
+from cachecert_agents.kv.rope import apply_rope, rope_tables
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.statistics import PairStatistics
+from tests.conftest import tiny_model
+
+
+def test_schur_residual_recovers_the_noise_covariance():
+    gen = torch.Generator().manual_seed(0)
+    f, dim, n = 8, 4, 40000
+    w = torch.randn(f, dim, generator=gen, dtype=torch.float64)
+    noise_scale = torch.tensor([0.1, 0.5, 1.0, 2.0], dtype=torch.float64)
+    stats = PairStatistics.empty({"sender": "s", "receiver": "r"})
+    for _ in range(8):
+        x = torch.randn(n // 8, f, generator=gen, dtype=torch.float64)
+        y = x @ w + torch.randn(n // 8, dim, generator=gen, dtype=torch.float64) * noise_scale
+        stats.add("kv:0", [0], x, y, count_tokens=True)
+        stats.end_context()
+    res, cyy = schur_residual(stats, "kv:0", rho=1e-8)
+    assert torch.allclose(torch.diagonal(res), noise_scale ** 2, rtol=0.05)
+    assert torch.allclose(res - torch.diag(torch.diagonal(res)), torch.zeros(dim, dim, dtype=torch.float64), atol=0.03)
+    # closed form: Syy = W^T W + diag(noise^2) for standard normal x
+    assert torch.allclose(cyy, w.T @ w + torch.diag(noise_scale ** 2), rtol=0.05, atol=0.1)
+
+
+def _layer(key_res_diag, value_res, q2, conc=1.0):
+    """One KV head, one query head, head dim 4 (rotary: all 4 channels; pairs (0,2), (1,3)), W_O = I."""
+    d = 4
+    res = torch.zeros(2 * d, 2 * d, dtype=torch.float64)
+    res[:d, :d] = torch.diag(torch.tensor(key_res_diag, dtype=torch.float64))
+    res[d:, d:] = torch.eye(d, dtype=torch.float64) * value_res
+    cyy = torch.eye(2 * d, dtype=torch.float64)
+    return layer_terms(0, res, cyy, torch.zeros(2 * d, dtype=torch.float64),
+                       torch.tensor([q2], dtype=torch.float64), torch.tensor([conc], dtype=torch.float64),
+                       torch.eye(d, dtype=torch.float64), kv_heads=1, head_dim=d, rotary_dim=d)
+
+
+def test_layer_terms_match_closed_form_values():
+    t = _layer([1.0, 0.0, 3.0, 0.0], 0.5, [2.0, 0.0, 0.0, 0.0], conc=0.25)
+    # rotation average: channel pair (0,2) -> key var 2, query 1 each; key term = (1*2 + 1*2) / 4 = 1
+    assert t.key_term == pytest.approx(1.0)
+    # S_v = tr(Cov v) = 4, E = 4, value error tr(G Sres_V) = 2; D = 0.25 * (1 * 4 + 2) / 4
+    assert t.deviation == pytest.approx(0.25 * 6 / 4)
+    assert t.value_term == pytest.approx(0.25 * 2)
+    assert t.residual_fraction == pytest.approx((4 + 2) / 8)
+
+
+def test_key_error_orthogonal_to_the_queries_costs_nothing_while_r2_drops():
+    # the queries live on rotary pair (0,2); the key error on pair (1,3): invisible to every query at every position
+    t = _layer([0.0, 5.0, 0.0, 5.0], 0.0, [1.0, 0.0, 1.0, 0.0])
+    assert t.key_term == 0 and t.deviation == 0
+    assert t.residual_fraction > 0.5  # the R^2 / residual baselines see a large error
+    aligned = _layer([5.0, 0.0, 5.0, 0.0], 0.0, [1.0, 0.0, 1.0, 0.0])
+    assert aligned.deviation > 0 and aligned.residual_fraction == t.residual_fraction
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_concentration_matches_the_models_attention_weights(arch, tiny_tokenizer):
+    handle = ModelHandle("tiny", tiny_model(arch, seed=3), tiny_tokenizer)
+    geo = handle.geometry
+    text = "the cat sat on the mat and the dog ran in the park " * 3
+    prompt = handle.format_prompt(text, "q")
+    start, end = prompt.context_span
+    with handle.capture_qk(queries=True, keys=True) as cap:
+        out = handle.forward(prompt.input_ids[:end], output_attentions=True)
+    positions = torch.arange(end)
+    rows = torch.tensor([start + 3, end - 5, end - 1])
+    for layer in range(geo.num_layers):
+        cos, sin = rope_tables(geo.rope_for_layer(layer), positions)
+        q, k = apply_rope(cap.query(layer)[0], cos, sin), apply_rope(cap.key(layer)[0], cos, sin)
+        window = geo.sliding_window if layer in geo.sliding_layers else None
+        got = attention_concentration(q, k, positions, rows, (start, end),
+                                      float(handle._attention_modules()[layer].scaling), window)
+        a = out.attentions[layer][:, rows, start:end].double()
+        assert torch.allclose(got, (a * a).sum(-1).mean(-1), atol=1e-4), layer
+
+
+def test_query_statistics_round_trip(tiny_tokenizer, tmp_path):
+    handle = ModelHandle("tiny", tiny_model("qwen2", seed=4), tiny_tokenizer)
+    stats = collect_query_statistics(handle, [("the cat sat on the mat " * 4, "q"), ("a dog ran " * 6, "q")],
+                                     workload="w", progress=False)
+    assert len(stats.q2) == handle.geometry.num_layers and stats.n_tokens > 0
+    assert all(torch.all(c > 0) and torch.all(c <= 1) for c in stats.conc)
+    stats.save(tmp_path / "q")
+    from cachecert_agents.cti.queries import QueryStatistics
+
+    back = QueryStatistics.load(tmp_path / "q", expect={"receiver_kv": handle.geometry.kv_fingerprint()})
+    assert torch.equal(back.q2[1], stats.q2[1]) and math.isclose(back.n_tokens, stats.n_tokens)
