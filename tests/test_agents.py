@@ -300,3 +300,24 @@ def test_langchain_chat_model_goes_through_the_policy(pair, artifacts, tmp_path)
     assert system == "be brief" and instruction == "q" and context.startswith("human: the cat")
     with pytest.raises(ValueError, match="non-system"):
         split_messages([SystemMessage("x")])
+
+
+def test_langchain_v1_agent_middleware_serves_model_calls_locally(pair, artifacts, tmp_path):
+    from langchain.agents import create_agent
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from cachecert_agents.integrations.langchain import CacheCertMiddleware
+
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"))
+    remote = GenericFakeChatModel(messages=iter([AIMessage("from the agent's own model")]))
+    agent = create_agent(model=remote, tools=[], system_prompt="be brief",
+                         middleware=[CacheCertMiddleware(runtime, "tiny-s", max_new_tokens=6)])
+    out = agent.invoke({"messages": [HumanMessage(DOCS[0]), HumanMessage("outline")]})
+    reply = out["messages"][-1]
+    assert reply.response_metadata["cachecert"]["action"] == "prefill"
+    expected = pair[0].generate(pair[0].format_prompt(f"human: {DOCS[0]}", "outline", "be brief").input_ids,
+                                max_new_tokens=6).text
+    assert reply.content == expected
+    again = agent.invoke({"messages": [HumanMessage(DOCS[0]), HumanMessage("review")]})
+    assert again["messages"][-1].response_metadata["cachecert"]["action"] == "reuse"

@@ -61,3 +61,81 @@ def test_alignment_with_itself_is_identity_and_with_words_pools(smollm2):
         pos += len(w) + 1
     cov = align_tokens(words, offsets).coverage()
     assert cov["char_coverage"] > 0.99 and cov["mean_senders_per_receiver"] >= 1.0
+
+
+def test_middleware_on_a_real_model_reuses_transfers_and_audits(smollm2, tmp_path):
+    """The whole path on real weights: a route between two handles of SmolLM2 (same weights, two names), mapper
+    from real statistics, a certificate, a LangGraph graph; prefill and reuse are exact, the certified transfer is
+    served and audited against a real full prefill."""
+    import operator
+    from pathlib import Path
+    from typing import Annotated, TypedDict
+
+    import numpy as np
+    from langgraph.graph import END, START, StateGraph
+
+    from cachecert_agents.agents.node import ModelCall, cachecert_node
+    from cachecert_agents.agents.runtime import CacheCertRuntime, RouteConfig, RuntimeConfig
+    from cachecert_agents.cert.audit import AuditLog
+    from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+    from cachecert_agents.cert.scores import score_definition
+    from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
+    from cachecert_agents.transfer.mappers import RidgeMapper
+
+    twin = ModelHandle("smollm2-twin", smollm2.model, smollm2.tokenizer)
+    text = (Path(__file__).parents[1] / "cachecert_agents" / "data" / "sample_context.txt").read_text()
+    chunks = [text[i:i + 1500] for i in range(0, 9000, 1500)]
+    stats = collect_statistics(smollm2, twin, [(c, "Summarise.") for c in chunks], [], progress=False)
+    RidgeMapper.fit(stats, rho=1e-4).save(tmp_path / "mapper")
+    stats.save(tmp_path / "mapper.stats")
+    header = pair_header(smollm2, twin)
+    fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    L = twin.geometry.num_layers
+    cert = build_certificate([str(i) for i in range(40)], np.linspace(0, 1, 40), np.zeros(40), alpha=0.1,
+                             delta=None, sender=smollm2.name, receiver=twin.name, pair_fingerprints=fps,
+                             mapper_fingerprint=file_fingerprint(tmp_path / "mapper.safetensors"), workload="report",
+                             method="ridge-kv", split=L, score="geometry",
+                             score_definition=score_definition("geometry"))
+    cert.save(tmp_path / "cert.json")
+    runtime = CacheCertRuntime(RuntimeConfig(
+        routes=[RouteConfig(sender=smollm2.name, receiver=twin.name, mapper=str(tmp_path / "mapper"),
+                            certificate=str(tmp_path / "cert.json"))],
+        audit_log=str(tmp_path / "audit.jsonl"), audit_probability=1.0, audit_in_background=False,
+        max_new_tokens=16),
+        models={smollm2.name: smollm2, twin.name: twin})
+    docs = text[9000:10500]
+
+    def node(model, key, instruction):
+        return cachecert_node(runtime, model=model, output_key=key, name=key, decisions_key="decisions")(
+            lambda state: ModelCall(context=state["docs"], instruction=instruction))
+
+    class S(TypedDict, total=False):
+        docs: str
+        a: str
+        b: str
+        c: str
+        decisions: Annotated[list, operator.add]
+
+    g = StateGraph(S)
+    g.add_node("a", node(smollm2.name, "a", "Who is mentioned first?"))
+    g.add_node("b", node(twin.name, "b", "Summarise in one sentence."))
+    g.add_node("c", node(smollm2.name, "c", "Name one place."))
+    g.add_edge(START, "a")
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    g.add_edge("c", END)
+    out = g.compile().invoke({"docs": docs})
+    assert [d["action"] for d in out["decisions"]] == ["prefill", "transfer", "reuse"]
+
+    def plain(handle, instruction):
+        return handle.generate(handle.format_prompt(docs, instruction).input_ids, max_new_tokens=16).text
+
+    assert out["a"] == plain(smollm2, "Who is mentioned first?")
+    assert out["c"] == plain(smollm2, "Name one place.")
+    runtime.flush()
+    record = AuditLog(tmp_path / "audit.jsonl").records()[0]
+    assert record["full_answer"] == plain(twin, "Summarise in one sentence.")
+    # identical weights: the map is near-exact, so the served answer should agree with the full prefill
+    assert record["agree"], (record["served_answer"], record["full_answer"])
+    runtime.close()

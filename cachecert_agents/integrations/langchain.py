@@ -1,5 +1,5 @@
-"""A LangChain chat model over a local model, served through a :class:`CacheCertRuntime` (same policy as the
-node wrapper: exact reuse, certified transfer or prefill, with audits).
+"""LangChain adapters over a :class:`CacheCertRuntime` (same policy as the node wrapper: exact reuse, certified
+transfer or prefill, with audits): a chat model, and the LangChain v1 agent middleware form.
 
 Messages map to a model call as follows: system messages become the model's system prompt; every message before
 the last non-system one is the shared *context* (``"<type>: <content>"`` blocks joined by blank lines, so two
@@ -8,6 +8,11 @@ in ``AIMessage.response_metadata["cachecert"]``. Tool calling is not supported b
 
     chat = CacheCertChatModel(runtime=runtime, model_name="smollm2-135m")
     chat.invoke([SystemMessage("Be brief."), HumanMessage(documents), HumanMessage("Summarise the documents.")])
+
+    agent = create_agent(model=any_chat_model, tools=[], middleware=[CacheCertMiddleware(runtime, "smollm2-135m")])
+
+The middleware answers the agent's model calls with the local model through the runtime, and hands calls that
+need tools or structured output to the agent's own model (the local models here do not call tools).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
+from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import ConfigDict
 
@@ -60,3 +66,23 @@ class CacheCertChatModel(BaseChatModel):
         message = AIMessage(content=text, response_metadata={"cachecert": decision.as_dict(),
                                                              "model_name": self.model_name})
         return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+class CacheCertMiddleware(AgentMiddleware):
+    """LangChain v1 agent middleware: model calls without tools or structured output are answered by
+    ``model_name`` through ``runtime``; others go to the agent's model (``handler``)."""
+
+    def __init__(self, runtime: CacheCertRuntime, model_name: str, node: str | None = "agent",
+                 max_new_tokens: int | None = None):
+        super().__init__()
+        self.runtime, self.model_name, self.node, self.max_new_tokens = runtime, model_name, node, max_new_tokens
+
+    def wrap_model_call(self, request: ModelRequest, handler: Any) -> ModelResponse:
+        if request.tools or request.response_format is not None:
+            return handler(request)
+        messages = ([request.system_message] if request.system_message is not None else []) + list(request.messages)
+        system, context, instruction = split_messages(messages)
+        text, decision = self.runtime.generate(self.model_name, context, instruction, system, node=self.node,
+                                               max_new_tokens=self.max_new_tokens)
+        return ModelResponse(result=[AIMessage(content=text, response_metadata={
+            "cachecert": decision.as_dict(), "model_name": self.model_name})])
