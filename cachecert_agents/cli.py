@@ -492,6 +492,8 @@ def _sample_data() -> str | None:
 
 def _report_setup(args: argparse.Namespace, audit_log: str):
     """Models installed, the report workload, a runtime with the certified planner -> writer route."""
+    from pathlib import Path
+
     from cachecert_agents.agents.report_demo import prepare_route
     from cachecert_agents.agents.runtime import CacheCertRuntime, RuntimeConfig
     from cachecert_agents.eval.transfer_eval import method_name
@@ -510,7 +512,7 @@ def _report_setup(args: argparse.Namespace, audit_log: str):
           f"labels and certificate from the calibration articles of {workload.source or workload.name} "
           f"(cached after the first run)")
     route = prepare_route(planner, writer, workload, split, alpha=args.alpha, score=args.score,
-                          n_mapper=args.n_mapper)
+                          n_mapper=args.n_mapper, labels_dir=Path(args.labels_dir) if args.labels_dir else None)
     runtime.add_route(route)
     return runtime, workload
 
@@ -626,6 +628,7 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
     p.add_argument("--audit-probability", type=float, default=0.5)
+    p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")
     p.add_argument("--device", default="cpu")
 
 

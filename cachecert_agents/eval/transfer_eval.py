@@ -25,7 +25,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_paths
-from cachecert_agents.cert.scores import RiskScorer
+from cachecert_agents.cert.scores import SCORE_VERSION, RiskScorer
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle
@@ -113,7 +113,10 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     L = receiver.geometry.num_layers
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
-    done = {(r["id"], r["method"]) for r in read_jsonl(path)}
+    # with a scorer, a transfer record counts as done only if it carries scores of the current definition
+    done = {(r["id"], r["method"]) for r in read_jsonl(path)
+            if scorer is None or "split" not in r or r.get("method") == "random-map"
+            or r.get("risk", {}).get("version") == SCORE_VERSION}
     full_done = {r["id"]: r for r in read_jsonl(full_path)}
     examples = workload.examples(subset)[offset:offset + n]
     prefix_cache = None
