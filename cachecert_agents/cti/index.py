@@ -14,9 +14,15 @@ Per receiver layer ``l`` (heads h, KV head g(h), head dim d)::
     S_v,h = tr(G_h Cov(v_g(h))),  E_h = tr(G_h E[v v^T]),  G_h = W_O,h^T W_O,h,  conc_h = E_i[sum_j a_ij^2]
 
 The index of a pure KV transfer is ``CTI = -log10(mean_l D_l)`` (higher = more transferable); the profile
-``D_l`` and the worst layer are reported. For a split transfer at ``s`` the predicted deviation is the mean of
-``D_l`` over the mapped layers ``l < s`` weighted by ``s / L`` plus the residual stream map's relative residual
-``tr(Sres_H) / tr(Syy_H)`` weighted by ``1 - s / L`` (the same combination the per-request geometry score uses).
+``D_l`` and the worst layer are reported. For a split transfer at ``s`` the layers ``l < s`` keep their mapped
+``D_l``; the layers ``l >= s`` are recomputed by the receiver from a mapped residual stream. Its error is measured
+as layer ``s`` sees it, through its input norm gain and key/value projections ``P = [W_k; W_v] diag(g)`` (the
+``1/rms`` factor cancels in the ratio): ``r_s = tr(P Sres_H P^T) / tr(P Syy_H P^T)`` (the raw stream's trace would
+be dominated by a few massive dimensions the norm removes). To first order each key and value of the recomputed
+layers inherits that relative error,
+``Sres_l ~ r_s Cov(y_l)``, so they contribute ``r_s U_l`` with ``U_l`` the deviation ``D_l`` computed with
+``Sres = Cov(y_l)`` (linear in ``Sres``). The split prediction is ``mean_l`` over all layers, on the same scale as
+the pure-KV index.
 
 Baselines on the same statistics: ``r2`` (calibration R^2 of the best linear map, pooled over K and V: error
 magnitude only) and ``residual_fraction`` (unweighted ``tr(Sres) / tr(Syy)`` per layer, averaged), both
@@ -57,6 +63,7 @@ class LayerTerms:
     energy: float
     deviation: float
     residual_fraction: float
+    unit_deviation: float = float("nan")  # D_l if the residual were the whole covariance of y_l
 
 
 def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, q2: torch.Tensor,
@@ -89,6 +96,17 @@ def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.
                       energy, dev, float(torch.trace(res) / torch.trace(cyy)))
 
 
+def _stream_relres_seen_by_layer(receiver: Any, s: int, res: torch.Tensor, cyy: torch.Tensor) -> float:
+    """``tr(P res P^T) / tr(P cyy P^T)`` with ``P = [W_k; W_v] diag(g)`` of receiver layer ``s`` (float64)."""
+    base = getattr(receiver.model, receiver.model.base_model_prefix, receiver.model)
+    layer = base.layers[s]
+    gain = layer.input_layernorm.weight.detach().double().cpu()
+    if "Gemma" in type(layer.input_layernorm).__name__:  # Gemma's RMSNorm scales by (1 + weight)
+        gain = 1 + gain
+    p = torch.cat([layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]).detach().double().cpu() * gain
+    return float(torch.sum(p * (p @ res)) / torch.sum(p * (p @ cyy)))
+
+
 def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2) -> dict[str, Any]:
     """The index, its per-layer profile, split-layer predictions and the baselines for one pair (see the module
     docstring). ``receiver`` is the receiver's :class:`ModelHandle` (geometry and ``W_O``)."""
@@ -102,9 +120,12 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
             continue
         res, cyy = schur_residual(stats, name, rho)
         mean_y = stats.targets[name].sum_y / stats.n_tokens
-        layers.append(layer_terms(layer, res, cyy, mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
-                                  attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
-                                  geo.rope_for_layer(layer).rotary_dim))
+        args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
+                attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
+                geo.rope_for_layer(layer).rotary_dim)
+        terms = layer_terms(layer, res, cyy, *args)
+        terms.unit_deviation = layer_terms(layer, cyy, cyy, *args).deviation
+        layers.append(terms)
         r2_num += float(torch.trace(res))
         r2_den += float(torch.trace(cyy))
     if not layers:
@@ -118,12 +139,12 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         if name.startswith("hidden:"):
             s = int(name.split(":")[1])
             res, cyy = schur_residual(stats, name, rho)
-            relres = float(torch.trace(res) / torch.trace(cyy))
-            below = [t.deviation for t in layers if t.layer < s]
-            pred = (s / L) * (sum(below) / len(below) if below else 0.0) + (1 - s / L) * relres
-            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres,
-                         "residual_fraction": 1 - ((s / L) * sum(t.residual_fraction for t in layers if t.layer < s)
-                                                   / max(len(below), 1) + (1 - s / L) * relres)}
+            raw_relres = float(torch.trace(res) / torch.trace(cyy))
+            relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
+            pred = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
+            frac = sum(t.residual_fraction if t.layer < s else relres for t in layers) / len(layers)
+            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres, "stream_relres_raw": raw_relres,
+                         "residual_fraction": 1 - frac}
     splits[L] = {"predicted_deviation": mean_dev, "cti": -math.log10(max(mean_dev, 1e-30)),
                  "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)}
     return {
@@ -133,7 +154,8 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         "cti": -math.log10(max(mean_dev, 1e-30)), "mean_deviation": mean_dev,
         "worst_layer": worst.layer, "worst_deviation": worst.deviation,
         "profile": [{"layer": t.layer, "deviation": t.deviation, "key_term": t.key_term,
-                     "value_term": t.value_term, "residual_fraction": t.residual_fraction} for t in layers],
+                     "value_term": t.value_term, "residual_fraction": t.residual_fraction,
+                     "unit_deviation": t.unit_deviation} for t in layers],
         "splits": {str(k): v for k, v in sorted(splits.items())},
         "baselines": {"r2": 1 - r2_num / r2_den,
                       "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)},
