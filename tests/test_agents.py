@@ -51,7 +51,8 @@ def artifacts(pair, tmp_path):
     header = pair_header(sender, receiver)
     fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
 
-    def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None) -> str:
+    def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None,
+                    threshold: float | None = None) -> str:
         n = 50
         cert = build_certificate([str(i) for i in range(n)], np.linspace(0, 1, n), np.full(n, float(all_unsafe)),
                                  alpha=0.02 if all_unsafe else alpha, delta=None, sender="tiny-s", receiver="tiny-r",
@@ -60,6 +61,8 @@ def artifacts(pair, tmp_path):
                                  workload="report", method="ridge-kv" if split is None else f"split@{split}",
                                  split=receiver.geometry.num_layers if split is None else split, score="geometry",
                                  score_definition=score_definition("geometry"))
+        if threshold is not None:
+            cert = cert.model_copy(update={"threshold": threshold})
         return str(cert.save(tmp_path / name, overwrite=True))
 
     return certificate
@@ -152,11 +155,19 @@ def test_report_graph_reuses_transfers_and_answers_like_prefill(pair, artifacts,
 
 
 def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp_path):
-    runtime = make_runtime(pair, tmp_path, artifacts("refuse.json", all_unsafe=True))
+    runtime = make_runtime(pair, tmp_path, artifacts("refuse.json", threshold=1e-12))
     runtime.generate("tiny-s", CONTEXT, "outline")
     text, decision = runtime.generate("tiny-r", CONTEXT, "write")
     assert decision.action == "prefill" and "refused" in decision.reason
     assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 1
+
+
+def test_a_certificate_that_accepts_nothing_is_not_even_tried(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("never.json", all_unsafe=True))
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "accepts no transfer" in decision.reason
+    assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 0
 
 
 @pytest.mark.parametrize("fault", ["mapper raises", "corrupt certificate", "mismatched certificate",

@@ -283,6 +283,9 @@ class CacheCertRuntime:
                 reasons.append(f"no certified route {holder.model}->{handle.name}")
                 continue
             cert = route.certificate
+            if cert.lam == float("-inf"):
+                reasons.append(f"the certificate for {holder.model}->{handle.name} accepts no transfer")
+                continue
             try:
                 prefix_cache = self._prefix_cache(handle, prompt)
                 result = transfer(handle, prompt, holder.features, route.mapper, cert.split, prefix_cache=prefix_cache)

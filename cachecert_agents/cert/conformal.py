@@ -317,7 +317,8 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     splits, n_infeasible, test_risk_mean, test_risk_std, test_risk_se, test_risk_max, frac_risk_above_alpha,
     accept_rate_mean, test_risks`` (array of the feasible splits' risks). With per-request ``gain_accepted`` and
     ``gain_rejected`` (e.g. the fraction of prefill saved when a transfer is served, and the negative cost of a
-    refused one), also ``gain_mean, gain_std``: the mean test gain per split, averaged over splits."""
+    refused one), also ``gain_mean, gain_std``: the mean test gain per split, averaged over splits (0 for a split
+    whose threshold is ``-inf``: a certificate that accepts nothing is never tried)."""
     s, u = _as_arrays(scores, unsafe)
     n = s.size
     n_cal, splits = int(n_cal), int(splits)
@@ -344,8 +345,8 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         acc = s[test] <= lam
         risks.append(float(np.mean(acc * u[test])))
         accepts.append(float(np.mean(acc)))
-        if ga is not None:
-            gains.append(float(np.mean(np.where(acc, ga[test], gr[test]))))
+        if ga is not None:  # a certificate that accepts nothing is never tried: no gain, no cost
+            gains.append(0.0 if lam == -np.inf else float(np.mean(np.where(acc, ga[test], gr[test]))))
     r = np.asarray(risks, dtype=float)
     k = r.size
     nan = float("nan")
