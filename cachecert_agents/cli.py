@@ -577,7 +577,10 @@ def _cmd_bench_agents(args: argparse.Namespace) -> int:
 
     runtime, workload = _report_setup(args, args.audit_log)
     examples = workload.examples("evaluation", limit=args.sets)
-    records = run_pipeline(runtime, examples, args.planner, args.writer, agree=workload.agree)
+    sets_path = Path(args.out).with_suffix(".sets.jsonl")
+    if sets_path.exists():
+        sets_path.rename(sets_path.with_name(sets_path.name + f".previous-{int(os.path.getmtime(sets_path))}"))
+    records = run_pipeline(runtime, examples, args.planner, args.writer, agree=workload.agree, records_path=sets_path)
     summary = summarise_runs(records, runtime)
     _print_report_summary(summary, records)
     overhead = wrapper_overhead(runtime.model(args.writer), examples[:args.overhead_steps])

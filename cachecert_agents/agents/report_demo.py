@@ -164,9 +164,12 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
 # ---------------------------------------------------------------------------------------------------- runs
 def run_pipeline(runtime: CacheCertRuntime, examples: list[Example], planner_model: str, writer_model: str,
                  compare_plain: bool = True, agree: Callable[[str, str], bool] | None = None,
-                 progress: bool = True) -> list[dict]:
+                 progress: bool = True, records_path: Path | None = None) -> list[dict]:
     """Run the wrapped pipeline on each example (and, with ``compare_plain``, the plain one, alternating order to
-    share the machine's drift fairly). One record per document set."""
+    share the machine's drift fairly). One record per document set, also appended to ``records_path`` (JSONL) as
+    soon as it exists, so an interrupted benchmark keeps what it measured."""
+    from cachecert_agents.jsonl import append_jsonl
+
     from tqdm.auto import tqdm
 
     graph = build_report_graph(runtime, planner_model, writer_model)
@@ -192,6 +195,8 @@ def run_pipeline(runtime: CacheCertRuntime, examples: list[Example], planner_mod
             if agree is not None and writer["action"] == "transfer":
                 rec["writer_agrees_with_prefill"] = bool(agree(out["report"], plain["report"]))
         records.append(rec)
+        if records_path is not None:
+            append_jsonl(records_path, rec)
     runtime.flush()
     return records
 

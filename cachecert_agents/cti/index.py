@@ -143,8 +143,8 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
             relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
             pred = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
             frac = sum(t.residual_fraction if t.layer < s else relres for t in layers) / len(layers)
-            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres, "stream_relres_raw": raw_relres,
-                         "residual_fraction": 1 - frac}
+            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres,
+                         "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac}
     splits[L] = {"predicted_deviation": mean_dev, "cti": -math.log10(max(mean_dev, 1e-30)),
                  "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)}
     return {
