@@ -244,7 +244,7 @@ class CacheCertRuntime:
                 if served is not None and served[0] is not None:
                     text, decision = served
                 else:
-                    reason = served[1] if served is not None else "no other model holds this context"
+                    reason = served[1] if served is not None else "no other model holds this context for a route"
                     text, decision = self._prefill(handle, prompt, key, tkey, node, gen_kw, reason)
         decision.step_s = time.perf_counter() - t0
         self._count(decision)
