@@ -384,6 +384,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.eval.cert_eval import labelled_requests
     from cachecert_agents.eval.transfer_eval import build_mapper, build_scorer, evaluate_transfer, mapper_stem
+    from cachecert_agents.transfer.calibrate import pair_fingerprints
 
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
@@ -410,7 +411,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     if not st.exists():
         raise CacheCertError(f"no mapper at {stem}; run `cachecert calibrate` first")
     header = json.loads(js.read_text())
-    fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    fps = pair_fingerprints(header)
     cert = build_certificate(
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
         sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),

@@ -8,55 +8,33 @@ cache through a certified transfer when the certificate accepts the request (els
 reuses the planner's exact cache. The first run fits the route (mapper, labels, certificate) on the sample's
 calibration articles and caches it; `cachecert demo` runs this same pipeline with a plain-prefill comparison.
 
-The nodes are ordinary functions returning a ModelCall; `cachecert_node` is the only change to a LangGraph app.
+The node bodies are ordinary functions returning a ModelCall (`plan`, `write`, `review` in
+`cachecert_agents/agents/report_demo.py`); `cachecert_node` is the only change to a LangGraph app.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import operator
 from pathlib import Path
-from typing import Annotated, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
-from cachecert_agents import CacheCertRuntime, ModelCall, RuntimeConfig, cachecert_node
-from cachecert_agents.agents.report_demo import prepare_route
+from cachecert_agents import CacheCertRuntime, RuntimeConfig, cachecert_node
+from cachecert_agents.agents.report_demo import ReportState, plan, prepare_route, review, write
 from cachecert_agents.eval.workloads import get_workload
 
 SAMPLE = Path(__file__).parent / "data" / "freshwiki"
 
 
-class State(TypedDict, total=False):
-    topic: str
-    documents: list[str]
-    outline: str
-    report: str
-    review: str
-    decisions: Annotated[list[dict], operator.add]
-
-
 def build_graph(runtime: CacheCertRuntime, planner_model: str, writer_model: str):
-    @cachecert_node(runtime, model=planner_model, output_key="outline", decisions_key="decisions")
-    def planner(state: State) -> ModelCall:
-        return ModelCall(context=state["documents"], max_new_tokens=48,
-                         instruction=f"Outline a short encyclopedic summary of '{state['topic']}' from the sources "
-                                     f"above: list its three main points, one line each.")
+    # plan / write / review are plain functions State -> ModelCall (the prompts, in agents/report_demo.py);
+    # wrapping them is the only change a LangGraph app needs
+    planner = cachecert_node(runtime, model=planner_model, output_key="outline", decisions_key="decisions")(plan)
+    writer = cachecert_node(runtime, model=writer_model, output_key="report", decisions_key="decisions")(write)
+    reviewer = cachecert_node(runtime, model=planner_model, output_key="review", decisions_key="decisions")(review)
 
-    @cachecert_node(runtime, model=writer_model, output_key="report", decisions_key="decisions")
-    def writer(state: State) -> ModelCall:
-        return ModelCall(context=state["documents"], max_new_tokens=96,
-                         instruction=f"Write a short encyclopedic summary (2-3 sentences) of '{state['topic']}' "
-                                     f"based on the sources above. Outline: {state['outline'][:300]}")
-
-    @cachecert_node(runtime, model=planner_model, output_key="review", decisions_key="decisions")
-    def reviewer(state: State) -> ModelCall:
-        return ModelCall(context=state["documents"], max_new_tokens=32,
-                         instruction=f"Is this summary supported by the sources above? Answer yes or no, then one "
-                                     f"reason. Summary: {state['report'][:400]}")
-
-    graph = StateGraph(State)
+    graph = StateGraph(ReportState)
     graph.add_node("planner", planner)
     graph.add_node("writer", writer)
     graph.add_node("reviewer", reviewer)

@@ -117,7 +117,7 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
     from cachecert_agents.eval.cert_eval import labelled_requests
     from cachecert_agents.eval.transfer_eval import (artifact_stem, build_mapper, build_scorer, evaluate_transfer,
                                                       mapper_stem, method_name)
-    from cachecert_agents.transfer.calibrate import pair_header
+    from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
 
     L = receiver.geometry.num_layers
     method = method_name(split, L)
@@ -134,7 +134,7 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
     labelled = labelled_requests(labels_dir, sender.name, receiver.name, workload.name)[method]
     stem = mapper_stem(sender.name, receiver.name, workload.name)
     header = pair_header(sender, receiver)
-    fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    fps = pair_fingerprints(header)
     mapper_fp = file_fingerprint(artifact_paths(stem)[0])
     cert_path = (cert_dir or cache_home() / "certificates") / (
         f"{artifact_stem(sender.name, receiver.name, workload.name)}__{method}__{score}__a{alpha:g}.json")

@@ -199,13 +199,13 @@ class CacheCertRuntime:
     def _load_route(self, cfg: RouteConfig) -> Route:
         from cachecert_agents.artifacts import artifact_paths
         from cachecert_agents.eval.workloads import get_workload
-        from cachecert_agents.transfer.calibrate import pair_header
+        from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
         from cachecert_agents.transfer.mappers import RidgeMapper
         from cachecert_agents.transfer.statistics import PairStatistics
 
         sender, receiver = self.model(cfg.sender), self.model(cfg.receiver)
         header = pair_header(sender, receiver)
-        fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+        fps = pair_fingerprints(header)
         mapper = RidgeMapper.load(cfg.mapper, expect=fps)
         stats = PairStatistics.load(cfg.statistics or f"{cfg.mapper}.stats", expect=fps)
         cert = Certificate.load(cfg.certificate)
@@ -260,7 +260,7 @@ class CacheCertRuntime:
         entry = CachedContext(handle.name, key, tkey, prompt, cache, feats, prefill_s)
         self.store.put(entry)
         text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
-        return text, Decision(None if node is None else node, handle.name, "prefill", reason,
+        return text, Decision(node, handle.name, "prefill", reason,
                               int(prompt.context_ids.numel()), prefill_s=prefill_s)
 
     def _try_transfer(self, handle: ModelHandle, prompt: PromptSegments, tkey: str, node: str | None,
@@ -268,7 +268,6 @@ class CacheCertRuntime:
         """Serve through a certified transfer if one applies: ``(text, decision)``; ``(None, reason)`` when a
         holder existed but no transfer was served; None when no other model holds the context."""
         from cachecert_agents.transfer.apply import transfer
-        from cachecert_agents.transfer.features import alignment_for
 
         holders = self.store.holders(tkey, exclude_model=handle.name)
         if not holders:
@@ -289,10 +288,8 @@ class CacheCertRuntime:
             try:
                 prefix_cache = self._prefix_cache(handle, prompt)
                 result = transfer(handle, prompt, holder.features, route.mapper, cert.split, prefix_cache=prefix_cache)
-                feats = holder.features.on_receiver_tokens(alignment_for(prompt.context_offsets,
-                                                                         holder.features.offsets))
                 scores, out, cost = route.scorer.scoring_pass(result.cache, prompt.suffix_ids, prompt.context_span,
-                                                              cert.split, feats)
+                                                              cert.split, result.features)
                 score = scores[cert.score]
                 base = dict(sender=holder.model, score_name=cert.score, score=score, lam=cert.lam, alpha=cert.alpha,
                             transfer_s=result.transfer_s + cost["pass_s"] + cost["score_s"])

@@ -69,6 +69,35 @@ def rotation_averaged_diagonal(cov: torch.Tensor, rotary_dim: int) -> torch.Tens
     return diag
 
 
+def kv_error_terms(res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, w_o: torch.Tensor, heads: int,
+                   kv_heads: int, head_dim: int, rotary_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-head parts of DESIGN.md section 4 for one layer, from a residual covariance ``res`` and target
+    moments ``cyy`` ``[2 Hk d, 2 Hk d]`` (keys then values, head-major), ``mean_y`` ``[2 Hk d]`` and the output
+    projection ``w_o`` ``[hidden, H d]`` (float64). Returns ``key_var`` ``[Hk, d]`` (rotation-averaged key
+    residual variance), and per query head ``[H]``: ``value_err = tr(G_h Sres_V)``, ``spread = tr(G_h Cov(v))``,
+    ``energy = tr(G_h E[v v^T])`` with ``G_h = W_O,h^T W_O,h``."""
+    half = kv_heads * head_dim
+    group = heads // kv_heads
+
+    def blocks(m: torch.Tensor) -> torch.Tensor:  # [Hk, d, d] diagonal blocks, one per KV head
+        return torch.stack([m[g * head_dim:(g + 1) * head_dim, g * head_dim:(g + 1) * head_dim]
+                            for g in range(kv_heads)])
+
+    key_var = rotation_averaged_diagonal(blocks(res[:half, :half]), rotary_dim)
+    res_v, cov_v = blocks(res[half:, half:]), blocks(cyy[half:, half:])
+    mv = mean_y[half:].reshape(kv_heads, head_dim)
+    value_err, spread, energy = [], [], []
+    for h in range(heads):
+        g = h // group
+        w_h = w_o[:, h * head_dim:(h + 1) * head_dim]
+        gram = w_h.T @ w_h
+        value_err.append(torch.trace(gram @ res_v[g]))
+        spread.append(torch.trace(gram @ cov_v[g]))
+        energy.append(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g]))))
+    return key_var, torch.stack(value_err), torch.stack(spread), torch.stack(energy)
+
+
 def entropy_score(logits: torch.Tensor) -> float:
     """Entropy (nats) of ``softmax(logits)``, ``logits`` ``[vocab]``."""
     logp = torch.log_softmax(logits.double(), -1)
@@ -115,7 +144,6 @@ class RiskScorer:
     def from_statistics(cls, receiver: ModelHandle, mapper: RidgeMapper, stats: PairStatistics) -> "RiskScorer":
         geo = receiver.geometry
         kvh, hd, heads = geo.num_kv_heads, geo.head_dim, geo.num_heads
-        group = heads // kvh
         layers: dict[int, LayerGeometry] = {}
         attn = receiver._attention_modules()
         for layer in range(geo.num_layers):
@@ -124,22 +152,11 @@ class RiskScorer:
                 continue
             res = residual_covariance(stats, name, mapper.weights[name])
             _, my, _, _, cyy = stats.centred(name)
-            half = kvh * hd
-            blocks = lambda m: torch.stack([m[g * hd:(g + 1) * hd, g * hd:(g + 1) * hd] for g in range(kvh)])  # noqa: E731
-            key_var = rotation_averaged_diagonal(blocks(res[:half, :half]), geo.rope_for_layer(layer).rotary_dim)
-            res_v, cov_v = blocks(res[half:, half:]), blocks(cyy[half:, half:])
-            mv = my[half:].reshape(kvh, hd)
-            wo = attn[layer].o_proj.weight.detach().double().cpu()  # [hidden, heads * d]
-            value_err, spread, energy = [], [], []
-            for h in range(heads):
-                g = h // group
-                w_h = wo[:, h * hd:(h + 1) * hd]
-                gram = w_h.T @ w_h  # G_h [d, d]
-                value_err.append(torch.trace(gram @ res_v[g]))
-                spread.append(torch.trace(gram @ cov_v[g]))
-                energy.append(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g]))))
-            layers[layer] = LayerGeometry(key_var.float(), torch.stack(value_err).float(),
-                                          float(torch.stack(spread).mean()), float(torch.stack(energy).mean()))
+            key_var, value_err, spread, energy = kv_error_terms(
+                res, cyy, my, attn[layer].o_proj.weight.detach().double().cpu(), heads, kvh, hd,
+                geo.rope_for_layer(layer).rotary_dim)
+            layers[layer] = LayerGeometry(key_var.float(), value_err.float(), float(spread.mean()),
+                                          float(energy.mean()))
         streams: dict[int, StreamGeometry] = {}
         for name in mapper.weights:
             if not name.startswith("hidden:") or name not in stats.targets:

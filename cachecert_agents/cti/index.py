@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cachecert_agents.cert.scores import rotation_averaged_diagonal
+from cachecert_agents.cert.scores import kv_error_terms, rotation_averaged_diagonal
 from cachecert_agents.cti.queries import QueryStatistics
 from cachecert_agents.transfer.statistics import PairStatistics
 
@@ -72,23 +72,12 @@ def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.
     values, head-major), ``mean_y`` ``[2 Hk d]``, query moments ``q2`` ``[H, d]`` (uncentred, per channel),
     attention concentration ``conc`` ``[H]`` and ``w_o`` ``[hidden, H d]`` (all float64)."""
     heads = q2.shape[0]
-    group = heads // kv_heads
-    half = kv_heads * head_dim
-    blocks = lambda m: torch.stack([m[g * head_dim:(g + 1) * head_dim, g * head_dim:(g + 1) * head_dim]  # noqa: E731
-                                    for g in range(kv_heads)])
-    key_var = rotation_averaged_diagonal(blocks(res[:half, :half]), rotary_dim)  # [Hk, d]
+    key_var, value_err, spread, energy_h = kv_error_terms(res, cyy, mean_y, w_o, heads, kv_heads, head_dim,
+                                                          rotary_dim)
     q2bar = rotation_averaged_diagonal(torch.diag_embed(q2), rotary_dim)  # [H, d]
-    res_v, cov_v = blocks(res[half:, half:]), blocks(cyy[half:, half:])
-    mv = mean_y[half:].reshape(kv_heads, head_dim)
-    key_terms, value_terms, spreads, energies = [], [], [], []
-    for h in range(heads):
-        g = h // group
-        w_h = w_o[:, h * head_dim:(h + 1) * head_dim]
-        gram = w_h.T @ w_h
-        key_terms.append(float((q2bar[h] * key_var[g]).sum()) / head_dim)
-        value_terms.append(float(torch.trace(gram @ res_v[g])))
-        spreads.append(float(torch.trace(gram @ cov_v[g])))
-        energies.append(float(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g])))))
+    key_var = key_var.repeat_interleave(heads // kv_heads, 0)  # [H, d]
+    key_terms = ((q2bar * key_var).sum(-1) / head_dim).tolist()
+    value_terms, spreads, energies = value_err.tolist(), spread.tolist(), energy_h.tolist()
     c = conc.tolist()
     energy = sum(energies) / heads
     dev = sum(c[h] * (key_terms[h] * spreads[h] + value_terms[h]) for h in range(heads)) / heads / max(energy, 1e-30)

@@ -31,8 +31,8 @@ from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
 from cachecert_agents.transfer.apply import transfer
-from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
-from cachecert_agents.transfer.features import alignment_for, sender_features
+from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
+from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.statistics import PairStatistics
 
@@ -58,7 +58,7 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     """Load the pair's mapper from the user cache, or calibrate it on the workload's calibration split."""
     stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir)
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
-    expect = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    expect = pair_fingerprints(header)
     wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
     if artifact_paths(stem)[1].exists() and not force:
         mapper = RidgeMapper.load(stem, expect=expect)
@@ -87,7 +87,7 @@ def build_scorer(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
                  out_dir: Path | None = None) -> RiskScorer:
     """The risk scorer of a mapper built by :func:`build_mapper` (reads the statistics saved beside it)."""
     stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir)
-    expect = {k: mapper.header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
+    expect = pair_fingerprints(mapper.header)
     stats = PairStatistics.load(f"{stem}.stats", expect=expect)
     return RiskScorer.from_statistics(receiver, mapper, stats)
 
@@ -166,9 +166,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             if scorer is None:
                 gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             else:
-                on_receiver = feats.on_receiver_tokens(alignment_for(r_prompt.context_offsets, feats.offsets))
                 risk, out, cost = scorer.scoring_pass(result.cache, r_prompt.suffix_ids, r_prompt.context_span, s,
-                                                      on_receiver)
+                                                      result.features)
                 gen = receiver.decode(out.cache, out.logits[-1], **gen_kw)
                 extra = {"risk": risk, **cost}
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,

@@ -38,6 +38,7 @@ class TransferResult:
     split: int
     transfer_s: float
     coverage: dict | None = None
+    features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
 
 
 class _MappedLayer(torch.nn.Module):
@@ -131,4 +132,4 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
             with _replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     elapsed = time.perf_counter() - t0
-    return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None)
+    return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features)

@@ -25,6 +25,14 @@ def pair_header(sender: ModelHandle, receiver: ModelHandle, **extra: object) -> 
     }
 
 
+FINGERPRINT_KEYS = ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")
+
+
+def pair_fingerprints(header: dict) -> dict:
+    """The fingerprint entries of a pair header (what an artifact must match to be used for that pair)."""
+    return {k: header[k] for k in FINGERPRINT_KEYS}
+
+
 def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
                        splits: list[int], header: dict | None = None, width: int = 3,
                        progress: bool = True, total: int | None = None) -> PairStatistics:
