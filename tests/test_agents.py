@@ -332,3 +332,25 @@ def test_langchain_v1_agent_middleware_serves_model_calls_locally(pair, artifact
     assert reply.content == expected
     again = agent.invoke({"messages": [HumanMessage(DOCS[0]), HumanMessage("review")]})
     assert again["messages"][-1].response_metadata["cachecert"]["action"] == "reuse"
+
+
+def test_overhead_benchmark_times_the_three_variants_and_restores_the_handle(pair, tmp_path):
+    from cachecert_agents.eval.agents_bench import wrapper_overhead, write_agents_markdown
+    from cachecert_agents.eval.workloads import Example
+
+    handle = pair[0]
+    examples = [Example(id=f"e{i}", workload="report", context=d, instruction="summarise", references=[""],
+                        split="evaluation") for i, d in enumerate(DOCS)]
+    res = wrapper_overhead(handle, examples, max_new_tokens=4, repeats=2)
+    assert res["n"] == 4 and res["same_answer"] == 4  # exact prefill: plain, wrapped and sender answer alike
+    for row in res["steps"]:
+        for name in ("plain", "wrapped", "wrapped_sender"):
+            assert 0 < row[f"{name}_forward"] <= row[name]
+    assert "forward" not in vars(handle)  # the timer is removed
+    assert res["overhead_iqr"][0] <= res["overhead_median"] <= res["overhead_iqr"][1]
+    summary = {"sets": 0, "decisions": {}, "metrics": {"prefill_tokens_avoided": 0, "context_tokens": 0,
+                                                       "refused": 0, "errors": 0}}
+    md = tmp_path / "agents.md"
+    write_agents_markdown({"command": "x", "date": "d", "machine": "m",
+                           "results": {"summary": summary, "overhead": res}}, md)
+    assert "wrapper's own time" in md.read_text()

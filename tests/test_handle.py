@@ -107,3 +107,19 @@ def test_unknown_model_name_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
     with pytest.raises(UnknownModelError, match="smollm2-135m"):
         ModelHandle.load("no-such-org/no-such-model-xyz")
+
+
+def test_residual_stream_capture_equals_output_hidden_states(handle):
+    """The hook capture (a sender's features) holds exactly the tensors of ``output_hidden_states`` over the
+    chosen token span, on every architecture (Gemma 3's scaled embeddings and sliding layers included)."""
+    ids = torch.arange(3, 23)
+    ref = handle.forward(ids, output_hidden_states=True).hidden_states
+    with handle.capture_residual_stream(4, 17, transform=lambda x: 2 * x) as got:
+        handle.forward(ids)
+    assert got.shape == (handle.geometry.num_layers + 1, 13, handle.geometry.hidden_size)
+    for m, h in enumerate(ref):
+        assert torch.equal(got[m], 2 * h[4:17].float()), m
+    # hooks are gone afterwards: a later forward does not write into the old buffer
+    before = got.clone()
+    handle.forward(torch.arange(5, 25))
+    assert torch.equal(got, before)

@@ -314,6 +314,37 @@ class ModelHandle:
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def capture_residual_stream(self, start: int, end: int,
+                                transform: Any = None) -> Iterator[torch.Tensor]:
+        """Record the residual stream at every layer boundary for the fed tokens ``[start, end)`` of the next
+        forward call, into one preallocated ``[num_layers + 1, end - start, hidden]`` float32 tensor (yielded;
+        filled when the forward returns). Boundary 0 is the input of layer 0 (embeddings, scaled where the model
+        scales them), boundary ``m`` the output of layer ``m - 1``, and the last one the final norm's output:
+        the same tensors as ``output_hidden_states=True``, without keeping every layer's full-length output
+        alive. ``transform`` (e.g. a per-token normalisation) is applied to each ``[end - start, hidden]`` slice.
+        """
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        layers, num = base.layers, len(base.layers)
+        buf = torch.empty(num + 1, end - start, self.geometry.hidden_size, dtype=torch.float32, device=self.device)
+
+        def put(index: int, x: Any) -> None:
+            x = x if torch.is_tensor(x) else x[0]
+            part = x[0, start:end].float()
+            buf[index] = transform(part) if transform is not None else part
+
+        def first_input(_m: Any, args: tuple, kwargs: dict) -> None:
+            put(0, args[0] if args else kwargs["hidden_states"])
+
+        hooks = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+        hooks += [layers[i].register_forward_hook(lambda _m, _a, out, i=i: put(i + 1, out)) for i in range(num - 1)]
+        hooks.append(base.norm.register_forward_hook(lambda _m, _a, out: put(num, out)))
+        try:
+            yield buf
+        finally:
+            for h in hooks:
+                h.remove()
+
     def _attention_modules(self) -> list[torch.nn.Module]:
         base = getattr(self.model, self.model.base_model_prefix, self.model)
         return [layer.self_attn for layer in base.layers]

@@ -54,16 +54,20 @@ def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def prefill_with_features(model: ModelHandle, prompt: PromptSegments, keep_features: bool = True
                           ) -> tuple[Any, SenderFeatures | None, float]:
     """Prefill ``prefix + context`` in one forward; returns the cache, the normalised residual stream over the
-    context (when ``keep_features``; what a transfer from this model reads) and the seconds it took."""
+    context (when ``keep_features``; what a transfer from this model reads) and the seconds it took.
+
+    The features are written by hooks into one preallocated tensor during the forward
+    (:meth:`ModelHandle.capture_residual_stream`), so a sender's prefill costs little more than a plain one."""
     import time
 
     start, end = prompt.context_span
     t0 = time.perf_counter()
-    out = model.forward(prompt.input_ids[:end], output_hidden_states=keep_features, logits_to_keep=1)
-    elapsed = time.perf_counter() - t0
     if not keep_features:
-        return out.cache, None, elapsed
-    hidden = torch.stack([rms_normalise(h[start:end].float()) for h in out.hidden_states])
+        out = model.forward(prompt.input_ids[:end], logits_to_keep=1)
+        return out.cache, None, time.perf_counter() - t0
+    with model.capture_residual_stream(start, end, transform=rms_normalise) as hidden:
+        out = model.forward(prompt.input_ids[:end], logits_to_keep=1)
+    elapsed = time.perf_counter() - t0
     return out.cache, SenderFeatures(hidden, prompt.context_offsets, elapsed), elapsed
 
 
