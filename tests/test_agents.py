@@ -354,3 +354,79 @@ def test_overhead_benchmark_times_the_three_variants_and_restores_the_handle(pai
     write_agents_markdown({"command": "x", "date": "d", "machine": "m",
                            "results": {"summary": summary, "overhead": res}}, md)
     assert "wrapper's own time" in md.read_text()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_persisted_cache_round_trips_exactly(arch, tiny_tokenizer, tmp_path):
+    """A saved context cache (sliding-window layers included) answers exactly like the cache it was saved from."""
+    from cachecert_agents.agents.store import load_cached_context, save_cached_context
+    from cachecert_agents.transfer.features import prefill_with_features
+
+    handle = ModelHandle(f"tiny-{arch}", tiny_model(arch, seed=3), tiny_tokenizer)
+    prompt = handle.format_prompt(CONTEXT, "where did the cat sit")
+    cache, feats, secs = prefill_with_features(handle, prompt, keep_features=True)
+    entry = CachedContext(handle.name, token_key(handle.identity, prompt), text_key(CONTEXT), prompt, cache, feats,
+                          secs, model_id=handle.identity)
+    save_cached_context(entry, tmp_path / entry.key)
+    loaded = load_cached_context(tmp_path / entry.key)
+    assert loaded.key == entry.key and loaded.model_id == handle.identity
+    assert torch.equal(loaded.features.hidden, feats.hidden)
+    assert torch.equal(loaded.prompt.input_ids, prompt.input_ids) and loaded.prompt.context_text == CONTEXT
+    want = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), max_new_tokens=12)
+    got = handle.generate(prompt.suffix_ids, cache=loaded.fresh_cache(), max_new_tokens=12)
+    assert got.token_ids == want.token_ids
+    assert torch.equal(got.first_logits, want.first_logits)
+
+
+def test_store_persists_across_runs_and_refuses_other_weights(pair, tiny_tokenizer, tmp_path, caplog):
+    sender, _ = pair
+    store_dir = tmp_path / "store"
+    cfg = RuntimeConfig(store_dir=str(store_dir))
+    first = CacheCertRuntime(cfg, models={"tiny-s": sender})
+    text1, d1 = first.generate("tiny-s", CONTEXT, "where did the cat sit", max_new_tokens=8)
+    first.close()
+    assert d1.action == "prefill" and len(list(store_dir.glob("*.safetensors"))) == 1
+    # a new process: same model -> exact reuse from disk, identical answer
+    second = CacheCertRuntime(cfg, models={"tiny-s": sender})
+    text2, d2 = second.generate("tiny-s", CONTEXT, "where did the cat sit", max_new_tokens=8)
+    assert d2.action == "reuse" and text2 == text1 and second.store.loaded_from_disk == 1
+    second.close()
+    # other weights under the same name never see that cache
+    impostor = ModelHandle("tiny-s", tiny_model("llama", seed=7), tiny_tokenizer)
+    assert impostor.identity != sender.identity
+    third = CacheCertRuntime(cfg, models={"tiny-s": impostor})
+    _, d3 = third.generate("tiny-s", CONTEXT, "where did the cat sit", max_new_tokens=8)
+    assert d3.action == "prefill"
+    third.close()
+    # a corrupt file: warning, prefill, the file left in place
+    for st in store_dir.glob("*.safetensors"):
+        st.write_bytes(b"not a safetensors file")
+    fourth = CacheCertRuntime(cfg, models={"tiny-s": sender})
+    with caplog.at_level("WARNING"):
+        text4, d4 = fourth.generate("tiny-s", CONTEXT, "where did the cat sit", max_new_tokens=8)
+    fourth.close()
+    assert d4.action == "prefill" and text4 == text1 and "cannot read persisted cache" in caplog.text
+
+
+def test_persisted_store_keeps_to_its_disk_bound(pair, tmp_path):
+    sender, _ = pair
+    docs = ["one two three four", "five six seven eight", "nine ten eleven twelve"]
+
+    def run(store_dir, bound) -> dict[str, int]:
+        runtime = CacheCertRuntime(RuntimeConfig(store_dir=str(store_dir), store_dir_max_bytes=bound),
+                                   models={"tiny-s": sender})
+        keys = []
+        for d in docs:
+            runtime.generate("tiny-s", d, "q", max_new_tokens=2)
+            runtime.store.flush()
+            keys.append(runtime.decisions[-1] and next(reversed(runtime.store._entries)))
+        runtime.close()
+        return {k: (store_dir / f"{k}.safetensors").stat().st_size if (store_dir / f"{k}.safetensors").exists()
+                else 0 for k in keys}
+
+    sizes = run(tmp_path / "unbounded", 1 << 30)
+    first, *newest = sizes
+    assert all(sizes.values())
+    bound = sum(sizes[k] for k in newest) + 16
+    kept = run(tmp_path / "bounded", bound)
+    assert kept[first] == 0 and all(kept[k] for k in newest)  # the least recently used file went first

@@ -64,6 +64,8 @@ class RuntimeConfig(BaseModel):
 
     routes: list[RouteConfig] = Field(default_factory=list)
     store_max_bytes: int = Field(default=2 << 30, gt=0)
+    store_dir: str | None = Field(default=None, description="keep context caches here and reuse them in later runs")
+    store_dir_max_bytes: int = Field(default=8 << 30, gt=0)
     audit_log: str | None = None
     audit_probability: float = Field(default=0.1, ge=0, le=1)
     audit_in_background: bool = True
@@ -139,7 +141,8 @@ class CacheCertRuntime:
 
     def __init__(self, config: RuntimeConfig | None = None, models: dict[str, ModelHandle] | None = None):
         self.config = config or RuntimeConfig()
-        self.store = KVCacheStore(self.config.store_max_bytes)
+        self.store = KVCacheStore(self.config.store_max_bytes, self.config.store_dir,
+                                  self.config.store_dir_max_bytes)
         self.metrics = Metrics()
         self.decisions: list[Decision] = []
         self._models: dict[str, ModelHandle] = dict(models or {})
@@ -231,7 +234,7 @@ class CacheCertRuntime:
         gen_kw = {"max_new_tokens": max_new_tokens or self.config.max_new_tokens, "stop_strings": tuple(stop_strings)}
         prompt = handle.format_prompt(context, instruction, system)
         n_ctx = int(prompt.context_ids.numel())
-        key, tkey = token_key(handle.name, prompt), text_key(context, system)
+        key, tkey = token_key(handle.identity, prompt), text_key(context, system)
         text, decision = None, None
         with self._model_lock(model):
             entry = self.store.get(key)
@@ -257,7 +260,7 @@ class CacheCertRuntime:
         from cachecert_agents.transfer.features import prefill_with_features
 
         cache, feats, prefill_s = prefill_with_features(handle, prompt, keep_features=self.senders_for(handle.name))
-        entry = CachedContext(handle.name, key, tkey, prompt, cache, feats, prefill_s)
+        entry = CachedContext(handle.name, key, tkey, prompt, cache, feats, prefill_s, model_id=handle.identity)
         self.store.put(entry)
         text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
         return text, Decision(node, handle.name, "prefill", reason,
@@ -280,6 +283,10 @@ class CacheCertRuntime:
             route = self.route(holder.model, handle.name)
             if route is None:
                 reasons.append(f"no certified route {holder.model}->{handle.name}")
+                continue
+            if holder.model_id and holder.model_id != self.model(holder.model).identity:
+                reasons.append(f"the cache held for {holder.model} was computed by other weights "
+                               f"({holder.model_id}, loaded: {self.model(holder.model).identity})")
                 continue
             cert = route.certificate
             if cert.lam == float("-inf"):
@@ -361,12 +368,14 @@ class CacheCertRuntime:
             logger.exception("audit of %s->%s failed", decision.sender, handle.name)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for scheduled background audits to finish."""
+        """Wait for scheduled background audits and store writes to finish."""
         futures, self._audit_futures = self._audit_futures, []
         concurrent.futures.wait(futures, timeout=timeout)
+        self.store.flush(timeout)
 
     def close(self) -> None:
         self.flush()
+        self.store.close()
         if self._audit_pool is not None:
             self._audit_pool.shutdown(wait=True)
 
@@ -388,7 +397,8 @@ class CacheCertRuntime:
         self.flush()
         out = {"metrics": self.metrics.as_dict(),
                "store": {"entries": len(self.store), "bytes": self.store.nbytes, "evictions": self.store.evictions,
-                         "max_bytes": self.store.max_bytes},
+                         "max_bytes": self.store.max_bytes, "persist_dir": str(self.store.persist_dir or ""),
+                         "loaded_from_disk": self.store.loaded_from_disk},
                "flagged_pairs": sorted(f"{s}->{r}" for s, r in (self.monitor.flagged if self.monitor else ()))}
         if self.audit_log is not None:
             out["audits"] = summarise_audits(self.audit_log.records(), self.config.audit_confidence)

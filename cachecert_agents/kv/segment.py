@@ -24,6 +24,23 @@ from cachecert_agents.kv.rope import apply_rope, remove_rope, rope_tables
 from cachecert_agents.models.geometry import ModelGeometry
 
 
+def build_dynamic_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], windows: list[int | None], length: int
+                        ) -> DynamicCache:
+    """A ``DynamicCache`` from per-layer post-RoPE ``(keys, values)`` ``[batch, kv_heads, n_stored, head_dim]``.
+
+    ``windows[i]`` is layer i's sliding window (None: full attention); a sliding layer stores its last
+    ``window - 1`` tokens and gets its cumulative length set to ``length``, the real token count, so masks and
+    positions stay right when the model continues from the cache."""
+    if len(layers) != len(windows):
+        raise ValueError(f"{len(layers)} layers of tensors but {len(windows)} window entries")
+    data = [(k, v, torch.tensor(w)) if w is not None else (k, v) for (k, v), w in zip(layers, windows)]
+    cache = DynamicCache(ddp_cache_data=data)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = length
+    return cache
+
+
 @dataclass
 class LayerKV:
     """One layer of a segment: pre-RoPE keys/values of the stored tokens and their index in the segment."""
@@ -123,15 +140,8 @@ class KVSegment:
             cos, sin = rope_tables(self.geometry.rope_for_layer(i), target_positions)
             keys = apply_rope(layer.keys.to(device_i), cos, sin)
             values = layer.values.to(device_i)
-            if self.geometry.layer_types[i] == "sliding_attention":
-                data.append((keys, values, torch.tensor(self.geometry.sliding_window)))
-            else:
-                data.append((keys, values))
-        cache = DynamicCache(ddp_cache_data=data)
-        for layer in cache.layers:
-            if getattr(layer, "is_sliding", False):
-                layer.cumulative_length = self.length  # the real token count, not the stored one
-        return cache
+            data.append((keys, values))
+        return build_dynamic_cache(data, self.geometry.layer_windows(), self.length)
 
     def _check_complete(self, i: int, layer: LayerKV) -> None:
         needed = self.length

@@ -75,6 +75,10 @@ class ModelGeometry(BaseModel):
             "rope": {k: v.model_dump() for k, v in sorted(self.rope.items())},
         }
 
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the sliding window of a sliding-attention layer, None for full attention."""
+        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+
     def kv_fingerprint(self) -> str:
         """sha256 (16 hex) of :meth:`kv_signature`: equal fingerprints mean interchangeable cache layouts."""
         return _digest(self.kv_signature())

@@ -118,6 +118,29 @@ class ModelHandle:
     def geometry(self) -> ModelGeometry:
         return geometry_from_config(self.model.config, self.tokenizer)
 
+    @cached_property
+    def weights_fingerprint(self) -> str:
+        """sha256 (16 hex) of every parameter's name, shape, dtype and a strided sample of ~4k of its values.
+
+        Tells apart two models of one name (a fine-tune, another quantisation) wherever they differ in most
+        weights; it is a sample, so two models that differ in a few individual weights are not told apart."""
+        import hashlib
+
+        h = hashlib.sha256()
+        with torch.no_grad():
+            for name, param in sorted(self.model.named_parameters()):
+                flat = param.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().contiguous()
+                h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+                h.update(sample.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def identity(self) -> str:
+        """``name@weights_fingerprint``: what a cached context is keyed by, so a cache is never reused by
+        another model that happens to carry the same name."""
+        return f"{self.name}@{self.weights_fingerprint}"
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
