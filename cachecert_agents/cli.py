@@ -322,7 +322,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cti_eval import correlate, pair_cti
+    from cachecert_agents.eval.cti_eval import correlate, pair_attention_cosine, pair_cti
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -343,6 +343,11 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             receivers.clear()
             receivers[receiver] = ModelHandle.load(receiver, device=args.device)
         r = pair_cti(sender, receivers[receiver], workload, args.query_contexts)
+        if args.cosine_examples:
+            sender_handle = ModelHandle.load(sender, device=args.device)
+            r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver], workload,
+                                                                       args.cosine_examples)
+            del sender_handle
         results.append(r)
         if not args.json:
             print(f"{sender}->{receiver} ({workload.name}): CTI {r['cti']:.3f}  mean deviation "
@@ -356,7 +361,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
         if not args.json:
             for name, c in payload["retention"]["correlations"].items():
                 print(f"Spearman vs retention ({name}, {c['n_points']} points): CTI {c['spearman_cti']:.3f}, "
-                      f"1-residual {c['spearman_residual_fraction']:.3f}, R^2 {c['spearman_r2']:.3f}")
+                      f"1-residual {c['spearman_residual_fraction']:.3f}, R^2 {c['spearman_r2']:.3f}"
+                      + (f", attention-output cosine {c['spearman_attention_cosine']:.3f} "
+                         f"({c['n_points_attention_cosine']} points)" if "spearman_attention_cosine" in c else ""))
         if args.out:
             write_result_file(args.out, payload)
             from cachecert_agents.eval.cti_report import write_cti_report
@@ -766,6 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
+    p.add_argument("--cosine-examples", type=int, default=0,
+                   help="also the attention-output cosine baseline of the fitted mapper on this many evaluation "
+                        "examples (needs the mapper and both models; the expensive predictor CTI replaces)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default="docs/results/plots")
     p.add_argument("--device", default="cpu")

@@ -95,3 +95,51 @@ def test_query_statistics_round_trip(tiny_tokenizer, tmp_path):
 
     back = QueryStatistics.load(tmp_path / "q", expect={"receiver_kv": handle.geometry.kv_fingerprint()})
     assert torch.equal(back.q2[1], stats.q2[1]) and math.isclose(back.n_tokens, stats.n_tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_attention_outputs_match_the_models_attention_block(arch, tiny_tokenizer):
+    from cachecert_agents.cti.attention_cosine import attention_outputs
+
+    handle = ModelHandle("tiny", tiny_model(arch, seed=5), tiny_tokenizer)
+    geo = handle.geometry
+    ids = torch.arange(3, 30)
+    attn = handle._attention_modules()
+    seen = {}
+    hooks = [a.register_forward_hook(lambda _m, _i, out, i=i: seen.__setitem__(i, out[0][0].detach()))
+             for i, a in enumerate(attn)]
+    with handle.capture_qk(queries=True, keys=True, values=True) as cap:
+        handle.forward(ids)
+    for h in hooks:
+        h.remove()
+    rows = torch.tensor([0, 9, 20, 26])
+    positions = torch.arange(27)
+    for layer in range(geo.num_layers):
+        cos, sin = rope_tables(geo.rope_for_layer(layer), positions)
+        q, k = apply_rope(cap.query(layer)[0], cos, sin), apply_rope(cap.key(layer)[0], cos, sin)
+        window = geo.sliding_window if layer in geo.sliding_layers else None
+        got = attention_outputs(q, k, cap.value(layer)[0], rows, float(attn[layer].scaling), window,
+                                attn[layer].o_proj.weight.detach())
+        assert torch.allclose(got, seen[layer][rows], atol=1e-5), layer
+
+
+def test_attention_cosine_baseline_is_one_for_an_exact_map_and_lower_for_a_random_one(tiny_tokenizer):
+    from cachecert_agents.cti.attention_cosine import attention_cosine_baseline
+    from cachecert_agents.eval.workloads import Example
+    from cachecert_agents.transfer.calibrate import collect_statistics
+    from cachecert_agents.transfer.mappers import RidgeMapper
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=0), tiny_tokenizer)  # identical weights
+    gen = torch.Generator().manual_seed(0)
+    texts = [sender.tokenizer.decode(torch.randint(4, 320, (120,), generator=gen)) for _ in range(6)]
+    stats = collect_statistics(sender, receiver, [(t, "q") for t in texts], [], progress=False)
+    exact = RidgeMapper.fit(stats, rho=1e-7)
+    ex = [Example(id="e", workload="w", context="the dog sat on the mat in the park", instruction="where did the dog sit",
+                  references=["mat"], split="evaluation")]
+    L = receiver.geometry.num_layers
+    res = attention_cosine_baseline(sender, receiver, exact, ex, [1, L])
+    assert min(res["per_layer"]) > 0.999 and res["predictions"][str(L)] > 0.999
+    rand = attention_cosine_baseline(sender, receiver, exact.randomised(seed=1), ex, [0, 1, L])
+    p = rand["predictions"]
+    assert p["0"] == 1.0 and p[str(L)] < p["1"] < 1.0  # more mapped layers, lower prediction

@@ -80,6 +80,39 @@ def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_quer
     return result
 
 
+def pair_attention_cosine(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_examples: int
+                          ) -> dict[str, Any]:
+    """The attention-output cosine baseline (:mod:`cachecert_agents.cti.attention_cosine`) of the pair's fitted
+    mapper on ``n_examples`` evaluation examples (never calibration ones), with its cost; cached as JSON under
+    ``$CACHECERT_HOME/cti`` and recomputed when the mapper file changes."""
+    import json
+
+    from cachecert_agents.artifacts import artifact_paths
+    from cachecert_agents.cert.certificate import file_fingerprint
+    from cachecert_agents.cti.attention_cosine import attention_cosine_baseline
+    from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
+    from cachecert_agents.transfer.mappers import RidgeMapper
+
+    stem = mapper_stem(sender.name, receiver.name, workload.name)
+    mapper_fp = file_fingerprint(artifact_paths(stem)[0])
+    cache = cache_home() / "cti" / f"{Path(stem).name}.cosine.json"
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("mapper_sha256") == mapper_fp and cached.get("n_examples") == n_examples:
+            return cached
+    mapper = RidgeMapper.load(stem, expect=pair_fingerprints(pair_header(sender, receiver)))
+    splits = sorted({int(k.split(":")[1]) for k in mapper.weights if k.startswith("hidden:")}
+                    | {receiver.geometry.num_layers})
+    t0 = time.perf_counter()
+    result = attention_cosine_baseline(sender, receiver, mapper,
+                                       workload.examples("evaluation", limit=n_examples), splits)
+    result.update(mapper_sha256=mapper_fp, seconds=time.perf_counter() - t0, sender=sender.name,
+                  receiver=receiver.name, workload=workload.name)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, Any]:
     """Spearman's rho between predicted transferability and measured retention, per workload and pooled, for
     the CTI and each baseline; returns the matched points too."""
@@ -100,15 +133,25 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
         sp = pred["splits"].get(split)
         if sp is None:
             continue
+        cosine = (pred["baselines"].get("attention_cosine") or {}).get("predictions", {}).get(split)
         points.append({"sender": row["sender"], "receiver": row["receiver"], "workload": row["workload"],
                        "method": row["method"], "n": row["n"], "retention": row["retention"],
                        "agreement": row.get("agreement"), "cti": sp["cti"],
-                       "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"]})
+                       "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
+                       "attention_cosine": cosine})
     out: dict[str, Any] = {"points": points, "correlations": {}}
     workloads = sorted({p["workload"] for p in points})
     groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w] for w in workloads}
     for name, pts in groups.items():
-        out["correlations"][name] = {"n_points": len(pts), **{
+        row = {"n_points": len(pts), **{
             f"spearman_{key}": spearman([p[key] for p in pts], [p["retention"] for p in pts])
             for key in ("cti", "residual_fraction", "r2")}}
+        with_cos = [p for p in pts if p["attention_cosine"] is not None]
+        if with_cos:  # the expensive baseline, on the points that have it (and CTI on the same points)
+            row["n_points_attention_cosine"] = len(with_cos)
+            row["spearman_attention_cosine"] = spearman([p["attention_cosine"] for p in with_cos],
+                                                        [p["retention"] for p in with_cos])
+            row["spearman_cti_same_points"] = spearman([p["cti"] for p in with_cos],
+                                                       [p["retention"] for p in with_cos])
+        out["correlations"][name] = row
     return out

@@ -53,16 +53,25 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
                      + f" | {f(c.get('statistics_pass_s'))} / {f(c.get('query_pass_s'))} / {f(c['index_s'])} |")
     if corr:
         lines += ["", "## Rank correlation with measured retention", "",
-                  "| group | points | Spearman CTI | Spearman 1-residual | Spearman R^2 |", "|---|---|---|---|---|"]
+                  "| group | points | Spearman CTI | Spearman 1-residual | Spearman R^2 | Spearman attention-output "
+                  "cosine (points; CTI on the same points) |", "|---|---|---|---|---|---|"]
         for name, c in corr["correlations"].items():
+            cos = (f"{f(c['spearman_attention_cosine'])} ({c['n_points_attention_cosine']}; "
+                   f"{f(c['spearman_cti_same_points'])})" if "spearman_attention_cosine" in c else "-")
             lines.append(f"| {name} | {c['n_points']} | {f(c['spearman_cti'])} | "
-                         f"{f(c['spearman_residual_fraction'])} | {f(c['spearman_r2'])} |")
-        lines += ["", "| pair | workload | method | n | retention | agreement | CTI | 1-residual | R^2 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                         f"{f(c['spearman_residual_fraction'])} | {f(c['spearman_r2'])} | {cos} |")
+        lines += ["", "| pair | workload | method | n | retention | agreement | CTI | 1-residual | R^2 | "
+                  "attention cosine |", "|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             lines.append(f"| {p['sender']} -> {p['receiver']} | {p['workload']} | {p['method']} | {p['n']} | "
                          f"{f(p['retention'])} | {f(p['agreement'])} | {f(p['cti'])} | {f(p['residual_fraction'])} | "
-                         f"{f(p['r2'])} |")
+                         f"{f(p['r2'])} | {f(p.get('attention_cosine'))} |")
+        cos_costs = [(q["sender"], q["receiver"], q["baselines"]["attention_cosine"]) for q in pairs
+                     if q["baselines"].get("attention_cosine")]
+        if cos_costs:
+            lines += ["", "Attention-output cosine baseline (fitted mapper, receiver forward on evaluation "
+                      "examples): " + "; ".join(f"{s} -> {r}: {c['n_examples']} examples, {c['seconds']:.0f} s "
+                                                f"(mapper fit not included)" for s, r, c in cos_costs)]
     lines += ["", "![profiles](plots/cti_profiles.png)"] + (
         ["![CTI vs retention](plots/cti_vs_retention.png)"] if points else [])
     path.write_text("\n".join(lines) + "\n")
