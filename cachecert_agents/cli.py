@@ -357,7 +357,13 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     payload: dict = {"pairs": results}
     if args.all or args.out:
         transfer_rows = json.loads(Path(args.transfer).read_text())["results"] if Path(args.transfer).exists() else []
-        payload["retention"] = correlate(results, transfer_rows)
+        if args.retention_workload and args.retention_workload != workload.name:
+            # cross-workload: the index from this workload's calibration text, retention measured on another
+            payload.update(statistics_workload=workload.name, retention_workload=args.retention_workload)
+            payload["retention"] = correlate([dict(r, workload=args.retention_workload) for r in results],
+                                             transfer_rows)
+        else:
+            payload["retention"] = correlate(results, transfer_rows)
         if not args.json:
             for name, c in payload["retention"]["correlations"].items():
                 print(f"Spearman vs retention ({name}, {c['n_points']} points): CTI {c['spearman_cti']:.3f}, "
@@ -773,6 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
+    p.add_argument("--retention-workload", help="correlate with retention measured on this workload instead "
+                                                "(the cross-workload check: index from --workload's calibration text)")
     p.add_argument("--cosine-examples", type=int, default=0,
                    help="also the attention-output cosine baseline of the fitted mapper on this many evaluation "
                         "examples (needs the mapper and both models; the expensive predictor CTI replaces)")

@@ -8,6 +8,7 @@ from typing import Callable
 
 
 def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str, str, str], str]) -> None:
+    """Write ``path`` (markdown) and its plots, named after ``path``'s stem (``cti`` -> ``cti_profiles.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,7 +26,7 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     ax.set_ylabel("predicted deviation D_l")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(plots / "cti_profiles.png", dpi=110)
+    fig.savefig(plots / f"{path.stem}_profiles.png", dpi=110)
     plt.close(fig)
     points = corr.get("points", [])
     if points:
@@ -37,12 +38,17 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
         ax.set_xlabel("CTI (predicted, statistics only)")
         ax.set_ylabel("measured retention")
         fig.tight_layout()
-        fig.savefig(plots / "cti_vs_retention.png", dpi=110)
+        fig.savefig(plots / f"{path.stem}_vs_retention.png", dpi=110)
         plt.close(fig)
     f = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
     lines = ["# Cache Transferability Index: measured", "", f"Command: `{payload['command']}`  ",
              f"Date: {payload['date']}; machine: {payload['machine']}", "",
-             "How it is computed: [../cti.md](../cti.md). Higher CTI = more transferable.", "",
+             "How it is computed: [../cti.md](../cti.md). Higher CTI = more transferable.", ""]
+    if res.get("retention_workload"):
+        lines += [f"Cross-workload check: the index is computed from **{res['statistics_workload']}** calibration "
+                  f"text and correlated with retention measured on **{res['retention_workload']}**.", ""]
+    lines += [
+
              "| pair | statistics tokens | CTI (pure KV) | worst layer | R^2 baseline | 1 - residual | split CTIs | "
              "cost: statistics pass / query pass / index (s) |", "|---|---|---|---|---|---|---|---|"]
     for p in pairs:
@@ -72,6 +78,6 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
             lines += ["", "Attention-output cosine baseline (fitted mapper, receiver forward on evaluation "
                       "examples): " + "; ".join(f"{s} -> {r}: {c['n_examples']} examples, {c['seconds']:.0f} s "
                                                 f"(mapper fit not included)" for s, r, c in cos_costs)]
-    lines += ["", "![profiles](plots/cti_profiles.png)"] + (
-        ["![CTI vs retention](plots/cti_vs_retention.png)"] if points else [])
+    lines += ["", f"![profiles](plots/{path.stem}_profiles.png)"] + (
+        [f"![CTI vs retention](plots/{path.stem}_vs_retention.png)"] if points else [])
     path.write_text("\n".join(lines) + "\n")
