@@ -143,3 +143,31 @@ def test_attention_cosine_baseline_is_one_for_an_exact_map_and_lower_for_a_rando
     rand = attention_cosine_baseline(sender, receiver, exact.randomised(seed=1), ex, [0, 1, L])
     p = rand["predictions"]
     assert p["0"] == 1.0 and p[str(L)] < p["1"] < 1.0  # more mapped layers, lower prediction
+
+
+def test_correlate_and_report_with_the_cosine_baseline_and_a_second_workload(tmp_path):
+    from cachecert_agents.eval.cti_eval import correlate
+    from cachecert_agents.eval.cti_report import write_cti_report
+
+    def pred(sender, cti, cos):
+        return {"sender": sender, "receiver": "r", "workload": "squad-long", "n_tokens": 10, "cti": cti,
+                "worst_layer": 0, "profile": [{"layer": 0, "deviation": 0.1}],
+                "splits": {"4": {"cti": cti, "residual_fraction": 0.5}},
+                "baselines": {"r2": 0.5, "residual_fraction": 0.5,
+                              "attention_cosine": {"n_examples": 2, "seconds": 1.0, "predictions": {"4": cos}}},
+                "cost": {"index_s": 1.0}}
+
+    preds = [pred("a", 1.0, 0.9), pred("b", 2.0, 0.8), pred("c", 3.0, 0.95)]
+    rows = [{"sender": s, "receiver": "r", "workload": "hotpotqa", "method": "ridge-kv", "n": 50, "retention": ret}
+            for s, ret in (("a", 0.1), ("b", 0.2), ("c", 0.3))]
+    assert correlate(preds, rows)["points"] == []  # the index was computed on another workload: no match
+    out = correlate([dict(p, workload="hotpotqa") for p in preds], rows)
+    c = out["correlations"]["pooled"]
+    assert c["spearman_cti"] == pytest.approx(1.0) and c["spearman_attention_cosine"] == pytest.approx(0.5)
+    payload = {"command": "cachecert cti", "date": "d", "machine": "m",
+               "results": {"pairs": preds, "retention": out, "statistics_workload": "squad-long",
+                           "retention_workload": "hotpotqa"}}
+    write_cti_report(payload, tmp_path / "cti_cross.md", tmp_path / "plots", lambda *a: "")
+    text = (tmp_path / "cti_cross.md").read_text()
+    assert "Cross-workload check" in text and "cti_cross_vs_retention.png" in text
+    assert (tmp_path / "plots" / "cti_cross_vs_retention.png").exists()
