@@ -45,3 +45,14 @@ def test_jsonl_survives_a_truncated_last_line(tmp_path):
     _append_jsonl(path, {"id": "4"})  # a resumed run appends after the damaged line, never onto it
     assert [r["id"] for r in _read_jsonl(path)] == ["1", "2", "4"]
     assert json.loads(path.read_text().splitlines()[0]) == {"id": "1"}
+
+
+def test_latest_records_keeps_the_redone_record_and_only_the_evaluated_examples():
+    from cachecert_agents.eval.transfer_eval import latest_records
+
+    recs = [{"id": "a", "method": "ridge-kv", "score": 0.1}, {"id": "a", "method": "split@7", "score": 0.2},
+            {"id": "a", "method": "ridge-kv", "score": 0.3, "risk": {}}, {"id": "b", "method": "ridge-kv"},
+            {"id": "c", "method": "ridge-kv"}]
+    got = latest_records(recs, ["a", "b"])
+    assert len(got) == 3 and {r["id"] for r in got} == {"a", "b"}
+    assert next(r for r in got if r["id"] == "a" and r["method"] == "ridge-kv")["score"] == 0.3

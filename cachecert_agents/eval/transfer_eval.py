@@ -177,7 +177,19 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-    return read_jsonl(path), read_jsonl(full_path)
+    wanted = [ex.id for ex in examples]
+    return latest_records(read_jsonl(path), wanted), latest_records(read_jsonl(full_path), wanted)
+
+
+def latest_records(records: list[dict], ids: list[str]) -> list[dict]:
+    """The last record per ``(id, method)`` (a redone record replaces the earlier one) for the given example
+    ``ids`` only (a resumed file may hold other examples, e.g. a partly done one after an interruption)."""
+    wanted = set(ids)
+    latest: dict[tuple[str, str | None], dict] = {}
+    for r in records:
+        if r["id"] in wanted:
+            latest[(r["id"], r.get("method"))] = r
+    return list(latest.values())
 
 
 def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
