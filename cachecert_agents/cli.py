@@ -157,10 +157,15 @@ def write_result_file(path: str, results: Any) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "results": results,
     }
+    write_json_atomic(out, payload)
+    logger.info("wrote %s", out)
+
+
+def write_json_atomic(out: "Path", payload: Any) -> None:
+    """Write JSON to a temporary name and rename it over ``out`` (never a half-written file)."""
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, out)
-    logger.info("wrote %s", out)
 
 
 def _parse_pair(text: str) -> tuple[str, str]:
@@ -641,9 +646,7 @@ def _bench_overhead_only(args: argparse.Namespace) -> int:
     if not previous.exists():
         previous.write_text(out.read_text())
     payload["results"]["overhead"] = overhead
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_json_atomic(out, payload)
     write_agents_markdown(payload, out.with_suffix(".md"))
     return 0
 

@@ -284,9 +284,10 @@ class CacheCertRuntime:
             if route is None:
                 reasons.append(f"no certified route {holder.model}->{handle.name}")
                 continue
-            if holder.model_id and holder.model_id != self.model(holder.model).identity:
+            loaded_id = self.model(holder.model).identity
+            if holder.model_id and holder.model_id != loaded_id:
                 reasons.append(f"the cache held for {holder.model} was computed by other weights "
-                               f"({holder.model_id}, loaded: {self.model(holder.model).identity})")
+                               f"({holder.model_id}, loaded: {loaded_id})")
                 continue
             cert = route.certificate
             if cert.lam == float("-inf"):

@@ -97,8 +97,9 @@ class CachedContext:
         return copy.deepcopy(self.cache)
 
 
-def save_cached_context(entry: CachedContext, stem: str | Path) -> None:
-    """Write an entry as ``<stem>.safetensors`` + ``<stem>.json`` (atomic; tensors moved to CPU)."""
+def save_cached_context(entry: CachedContext, stem: str | Path) -> dict:
+    """Write an entry as ``<stem>.safetensors`` + ``<stem>.json`` (atomic; tensors moved to CPU); returns the
+    header written."""
     layers = entry.cache.layers
     tensors = {"prefix_ids": entry.prompt.prefix_ids, "context_ids": entry.prompt.context_ids,
                "suffix_ids": entry.prompt.suffix_ids, "context_offsets": entry.prompt.context_offsets}
@@ -115,6 +116,7 @@ def save_cached_context(entry: CachedContext, stem: str | Path) -> None:
               "features_prefill_s": None if entry.features is None else entry.features.prefill_s,
               "nbytes": entry.nbytes}
     save_artifact(stem, tensors, header)
+    return header
 
 
 def load_cached_context(stem: str | Path, device: str | None = None) -> CachedContext:
@@ -204,20 +206,23 @@ class KVCacheStore:
             if entry.key in self._entries:
                 del self._entries[entry.key]
                 del self._sizes[entry.key]
-            while self._entries and sum(self._sizes.values()) + size > self.max_bytes:
-                old_key, old = self._entries.popitem(last=False)
-                del self._sizes[old_key]
-                self.evictions += 1
-                logger.info("store full: evicted %s's cache of %d context tokens", old.model, old.context_tokens)
             self._insert(entry, size)
             if self._writer is not None and entry.key not in self._disk:
                 self._disk[entry.key] = {"key": entry.key, "model": entry.model, "text_key": entry.text_key,
                                          "nbytes": size, "features_prefill_s": None if entry.features is None
                                          else entry.features.prefill_s, "pending": True}
+                self._pending = [f for f in self._pending if not f.done()]
                 self._pending.append(self._writer.submit(self._persist, entry))
             return True
 
     def _insert(self, entry: CachedContext, size: int) -> None:
+        """Evict least-recently-used entries until ``size`` more bytes fit, then insert (lock held; the entry
+        alone fits the bound)."""
+        while self._entries and sum(self._sizes.values()) + size > self.max_bytes:
+            old_key, old = self._entries.popitem(last=False)
+            del self._sizes[old_key]
+            self.evictions += 1
+            logger.info("store full: evicted %s's cache of %d context tokens", old.model, old.context_tokens)
         self._entries[entry.key] = entry
         self._sizes[entry.key] = size
 
@@ -261,17 +266,12 @@ class KVCacheStore:
         self.loaded_from_disk += 1
         size = entry.nbytes
         if size <= self.max_bytes:
-            while self._entries and sum(self._sizes.values()) + size > self.max_bytes:
-                old_key, _ = self._entries.popitem(last=False)
-                del self._sizes[old_key]
-                self.evictions += 1
             self._insert(entry, size)
         return entry
 
     def _persist(self, entry: CachedContext) -> None:
         try:
-            save_cached_context(entry, self._stem(entry.key))
-            header = json.loads(artifact_paths(self._stem(entry.key))[1].read_text())
+            header = save_cached_context(entry, self._stem(entry.key))
             with self._lock:
                 self._disk[entry.key] = header
             self._bound_disk()
