@@ -210,7 +210,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
     mapper = build_mapper(sender, receiver, workload, splits, args.n_contexts,
-                          out_dir=Path(args.out) if args.out else None, force=True)
+                          out_dir=Path(args.out) if args.out else None, force=True, hidden_width=args.hidden_width)
     summary = {"pair": f"{sender.name}:{receiver.name}", "workload": workload.name,
                "fit_tokens": mapper.header["fit_tokens"],
                "targets": {k: {"rho": v["rho"], "heldout_r2": round(v["heldout_r2"], 4)}
@@ -251,7 +251,8 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
         splits = _parse_splits(args.splits, receiver.geometry.num_layers)
         for workload_name in workloads:
             workload = get_workload(workload_name, data=args.data)
-            mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+            mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration,
+                                  hidden_width=args.hidden_width)
             scorer = None if args.no_scores else build_scorer(sender, receiver, workload, mapper)
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
                                               Path(args.results_dir), scorer=scorer,
@@ -282,7 +283,7 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
 
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
-    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width)
     rows = transfer_cost(sender, receiver, mapper, splits, [int(x) for x in args.context_tokens.split(",")],
                          args.repeats)
     if args.out:
@@ -385,14 +386,6 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     return 0
 
 
-def _method_split(method: str, num_layers: int) -> int:
-    if method == "ridge-kv":
-        return num_layers
-    if method.startswith("split@") and method[6:].isdigit():
-        return int(method[6:])
-    raise CacheCertError(f"--method must be ridge-kv or split@K, got {method!r}")
-
-
 def _cmd_certify(args: argparse.Namespace) -> int:
     """Fit a certificate from labelled requests (running the labelling evaluation first when too few exist)."""
     from pathlib import Path
@@ -401,11 +394,16 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
     from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.eval.cert_eval import labelled_requests
-    from cachecert_agents.eval.transfer_eval import build_mapper, build_scorer, evaluate_transfer, mapper_stem
+    from cachecert_agents.eval.transfer_eval import (build_mapper, build_scorer, evaluate_transfer, mapper_stem,
+                                                      parse_method)
     from cachecert_agents.transfer.calibrate import pair_fingerprints
 
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
+    try:
+        _, hidden_width = parse_method(args.method)
+    except ValueError as err:
+        raise CacheCertError(f"--method: {err}") from None
     sender_name, receiver_name = args.pair
     results_dir = Path(args.results_dir)
     if Path(args.out).exists() and not args.force:
@@ -419,12 +417,12 @@ def _cmd_certify(args: argparse.Namespace) -> int:
                                  f"`cachecert eval transfer` with risk scores")
         logger.info("%d labelled requests, %d asked: running the labelling evaluation", have, args.n)
         sender, receiver, workload = _load_pair(args)
-        split = _method_split(args.method, receiver.geometry.num_layers)
-        mapper = build_mapper(sender, receiver, workload, [split], args.n_calibration)
+        split = parse_method(args.method, receiver.geometry.num_layers)[0]
+        mapper = build_mapper(sender, receiver, workload, [split], args.n_calibration, hidden_width=hidden_width)
         evaluate_transfer(sender, receiver, workload, mapper, [split], args.n, results_dir,
                           scorer=build_scorer(sender, receiver, workload, mapper), controls=False)
         labelled = labelled_requests(results_dir, sender_name, receiver_name, args.workload)[args.method]
-    stem = mapper_stem(sender_name, receiver_name, args.workload)
+    stem = mapper_stem(sender_name, receiver_name, args.workload, hidden_width=hidden_width)
     st, js = artifact_paths(stem)
     if not st.exists():
         raise CacheCertError(f"no mapper at {stem}; run `cachecert calibrate` first")
@@ -727,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="collect pair statistics on a workload's calibration split, fit mappers")
     _add_pair_args(p)
     p.add_argument("--n-contexts", type=int, default=32)
+    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+                   help="sender layers read by the residual-stream maps of split transfers (default 3); "
+                        "methods are then named split@K+wW")
     p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
@@ -738,6 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_args(p)
     p.add_argument("--n", type=int, default=100, help="evaluation examples")
     p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
+    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+                   help="sender layers read by the residual-stream maps of split transfers (default 3); "
+                        "methods are then named split@K+wW")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
@@ -797,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv or split@K")
+    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv, split@K or split@K+wW")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--alpha", type=float, required=True, help="risk budget: rate of unsafe transfers served")
     p.add_argument("--delta", type=float, default=None, help="LTT: the guarantee holds with probability 1-delta")
@@ -817,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_args(p)
     p.add_argument("--n-calibration", type=int, default=32)
     p.add_argument("--context-tokens", default="1024,2048")
+    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+                   help="time the split@K+wW mapper (see eval transfer --hidden-width)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
     p.add_argument("--device", default="cpu")

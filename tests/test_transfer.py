@@ -177,3 +177,32 @@ def test_oracle_transfer_with_everything_true_is_exact(twins):
         assert result.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
     with pytest.raises(ValueError, match="oracle"):
         transfer(receiver, prompt, feats, mapper, split=2, oracle="kv")
+
+
+def test_wider_residual_stream_window_reads_more_sender_layers(twins):
+    sender, receiver = twins
+    narrow = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS[:2]], [1], progress=False)
+    wide = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS[:2]], [1], progress=False,
+                              hidden_width=5)
+    boundaries = sender.geometry.num_layers + 1
+    assert narrow.targets["hidden:1"].sender_layers == sender_layers_for(1, boundaries, boundaries, 3)
+    assert wide.targets["hidden:1"].sender_layers == sender_layers_for(1, boundaries, boundaries, 5)
+    assert len(wide.targets["hidden:1"].sender_layers) == min(5, boundaries)
+    # the key/value targets keep the default window, so their moments are identical
+    assert torch.equal(wide.targets["kv:0"].xy, narrow.targets["kv:0"].xy)
+    mapper = RidgeMapper.fit(wide, rho=1e-2)
+    prompt = receiver.format_prompt(CONTEXTS[3], "where did the cat sit")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[3], "where did the cat sit"))
+    result = transfer(receiver, prompt, feats, mapper, split=1)  # the runtime reads the window from the mapper
+    assert result.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
+
+
+def test_method_names_round_trip():
+    from cachecert_agents.eval.transfer_eval import method_name, parse_method
+
+    for split, width in ((3, None), (14, 9), (28, None)):
+        assert parse_method(method_name(split, 28, width), 28) == (split, width if split < 28 else None)
+    assert method_name(14, 28, 9) == "split@14+w9" and method_name(28, 28, 9) == "ridge-kv"
+    for bad in ("split@", "split@x", "kv", "split@3+9"):
+        with pytest.raises(ValueError, match="ridge-kv, split@K or split@K\\+wW"):
+            parse_method(bad)

@@ -126,8 +126,8 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
             continue
         if row["method"] == "ridge-kv":
             split = str(max(int(k) for k in pred["splits"]))
-        elif row["method"].startswith("split@"):
-            split = row["method"][len("split@"):]
+        elif row["method"].startswith("split@") and "+" not in row["method"]:
+            split = row["method"][len("split@"):]  # CTI's split profile describes the default mapper only
         else:
             continue
         sp = pred["splits"].get(split)

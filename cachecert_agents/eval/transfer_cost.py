@@ -13,6 +13,7 @@ import statistics
 import time
 
 from cachecert_agents.eval.kv_check import context_of_tokens
+from cachecert_agents.eval.transfer_eval import method_name
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.features import sender_features
@@ -43,7 +44,7 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             rows.append({"sender": sender.name, "receiver": receiver.name,
                          "context_tokens": int(r_prompt.context_ids.numel()),
                          "split": s, "num_layers": receiver.geometry.num_layers,
-                         "method": "ridge-kv" if s == receiver.geometry.num_layers else f"split@{s}",
+                         "method": method_name(s, receiver.geometry.num_layers, mapper.header.get("hidden_width")),
                          "prefill_s_median": prefill_med, "transfer_s_median": med,
                          "ratio": med / prefill_med, "repeats": repeats})
     return rows

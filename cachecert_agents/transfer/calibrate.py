@@ -35,9 +35,14 @@ def pair_fingerprints(header: dict) -> dict:
 
 def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
                        splits: list[int], header: dict | None = None, width: int = 3,
-                       progress: bool = True, total: int | None = None) -> PairStatistics:
+                       progress: bool = True, total: int | None = None, hidden_width: int | None = None
+                       ) -> PairStatistics:
     """Stream ``(context, instruction)`` pairs through both models and accumulate moments for every receiver
-    layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``)."""
+    layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``).
+
+    Each target reads ``width`` consecutive sender layer boundaries around its proportional depth;
+    ``hidden_width`` (default ``width``) widens that window for the residual-stream targets only (a wider window
+    predicts the stream better: ``docs/results/hidden_map_features.md``)."""
     stats = PairStatistics.empty(header or pair_header(sender, receiver))
     import time
 
@@ -52,8 +57,8 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
         alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
         feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)
 
-        def features_for(boundary: int):
-            layers = sender_layers_for(boundary, lr, ls, width)
+        def features_for(boundary: int, w: int = width):
+            layers = sender_layers_for(boundary, lr, ls, w)
             return layers, feats.select(layers)
 
         first = True
@@ -62,7 +67,7 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
             stats.add(f"kv:{layer}", layers, x, y, count_tokens=first)
             first = False
         for s, y in targets.hidden.items():
-            layers, x = features_for(s)
+            layers, x = features_for(s, hidden_width or width)
             stats.add(f"hidden:{s}", layers, x, y)
         stats.end_context()
         n_contexts += 1
