@@ -56,3 +56,21 @@ def test_latest_records_keeps_the_redone_record_and_only_the_evaluated_examples(
     got = latest_records(recs, ["a", "b"])
     assert len(got) == 3 and {r["id"] for r in got} == {"a", "b"}
     assert next(r for r in got if r["id"] == "a" and r["method"] == "ridge-kv")["score"] == 0.3
+
+
+def test_retention_interval_is_a_paired_bootstrap_around_the_ratio():
+    from cachecert_agents.eval.metrics import ratio_interval
+
+    full = [0.8, 0.6, 1.0, 0.4] * 10
+    same = ratio_interval(full, full)
+    assert same == pytest.approx((1.0, 1.0))  # paired: identical scores give a degenerate interval
+    half = ratio_interval([f / 2 for f in full], full)
+    assert half == pytest.approx((0.5, 0.5))
+    noisy = ratio_interval([0.0, 1.0] * 20, [0.5] * 40)
+    assert noisy[0] < 1.0 < noisy[1] and noisy[1] - noisy[0] < 0.8
+    assert ratio_interval([1.0, 2.0], [1.0, 2.0], seed=1) == ratio_interval([1.0, 2.0], [1.0, 2.0], seed=1)
+    with pytest.raises(ValueError, match="same length"):
+        ratio_interval([1.0], [1.0, 2.0])
+    rows = summarise([_rec(i, "split@7", 0.4, True, split=7, num_layers=28, transfer_s=1.0) for i in range(4)],
+                     [{"id": str(i), "score": 0.8, "prefill_s": 2.0} for i in range(4)])
+    assert rows[0]["retention_ci95"] == pytest.approx([0.5, 0.5])

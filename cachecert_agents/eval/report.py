@@ -11,6 +11,8 @@ def _fmt(value: object, digits: int = 3) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
+    if isinstance(value, list):
+        return " .. ".join(_fmt(v, digits) for v in value)
     return str(value)
 
 
@@ -20,12 +22,13 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
     payload = json.loads(Path(results_file).read_text())
     rows = payload["results"]
     cols = ["sender", "receiver", "workload", "method", "n", "score_full", "score_transfer", "score_no_context",
-            "score_sender", "score_random_map", "retention", "agreement", "agreement_no_context", "prefill_saved",
+            "score_sender", "score_random_map", "retention", "retention_ci95", "agreement", "agreement_no_context", "prefill_saved",
             "prefill_s_median", "transfer_s_median"]
     lines = ["# Cross-model transfer: measured retention", "",
              f"Produced by `{payload['command']}` (merged per pair/workload/method; date {payload['date']}).", "",
              "Scores are the workload's task score (token F1 against gold answers for QA; ROUGE-L for report). "
-             "`retention` = score_transfer / score_full; `agreement` = share of answers that agree with the "
+             "`retention` = score_transfer / score_full (`retention_ci95`: paired bootstrap over the examples, 2,000 "
+             "resamples); `agreement` = share of answers that agree with the "
              "receiver's own full-prefill answer under the workload's criterion (no gold needed); "
              "`prefill_saved` = 1 - median transfer time / median receiver context-prefill time, measured in one "
              "run on this 2-core CPU machine.", "",

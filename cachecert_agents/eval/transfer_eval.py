@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_paths
 from cachecert_agents.cert.scores import SCORE_VERSION, RiskScorer
+from cachecert_agents.eval.metrics import ratio_interval
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle
@@ -237,6 +238,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
         prefill_med = statistics.median(full[i]["prefill_s"] for i in ids)
         transfer_med = statistics.median(r["transfer_s"] for r in recs)
         first = recs[0]
+        low, high = ratio_interval([r["score"] for r in recs], [full[i]["score"] for i in ids])
         rows.append({
             "sender": first["sender"], "receiver": first["receiver"], "workload": first["workload"],
             "method": method, "split": first.get("split"), "num_layers": first.get("num_layers"), "n": len(recs),
@@ -247,6 +249,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "score_random_map": statistics.mean(random_map[i] for i in ids if i in random_map)
             if any(i in random_map for i in ids) else None,
             "retention": score_transfer / score_full if score_full else None,
+            "retention_ci95": [low, high],  # paired bootstrap over the examples
             "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
             "unsafe_rate": 1 - statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
             "agreement_no_context": statistics.mean(1.0 if r["agree"] else 0.0 for r in by_method["no-context"]
