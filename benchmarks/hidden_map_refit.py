@@ -25,38 +25,24 @@ from cachecert_agents.eval.transfer_eval import mapper_stem
 from cachecert_agents.paths import cache_home
 from cachecert_agents.transfer.calibrate import pair_fingerprints
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.statistics import Moments, PairStatistics, TargetMoments, sender_layers_for
+from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
 
 logger = logging.getLogger("hidden_map_refit")
 
 
 def add_dumps(stats: PairStatistics, files: list[Path], splits: list[int], width: int, receiver_boundaries: int,
               count_tokens: bool) -> None:
-    """Accumulate ``hidden:s`` moments from dumps into ``stats`` (per-context products in float32, summed in
-    float64: the library's :meth:`PairStatistics.add` forms them in float64, 4x slower at 10k features)."""
+    """Accumulate ``hidden:s`` moments from dumps into ``stats`` (one context per file; per-context products in
+    float32, running sums in float64)."""
     for path in files:
         with safe_open(str(path), "pt") as f:
             sender = f.get_tensor("sender")
             for s in splits:
                 layers = sender_layers_for(s, receiver_boundaries, sender.shape[0], width)
                 x = torch.cat([sender[m].float() for m in layers], -1)
-                y = f.get_tensor(f"hidden:{s}").float()
-                key = "x" + "-".join(map(str, layers))
-                if key not in stats.features:
-                    stats.features[key] = Moments(torch.zeros(x.shape[1], dtype=torch.float64),
-                                                  torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64))
-                    stats.targets[f"hidden:{s}"] = TargetMoments(
-                        key, layers, torch.zeros(y.shape[1], dtype=torch.float64),
-                        torch.zeros(x.shape[1], y.shape[1], dtype=torch.float64),
-                        torch.zeros(y.shape[1], y.shape[1], dtype=torch.float64))
-                fm, t = stats.features[key], stats.targets[f"hidden:{s}"]
-                fm.sum_x += x.double().sum(0)
-                fm.xx += (x.T @ x).double()
-                t.sum_y += y.double().sum(0)
-                t.xy += (x.T @ y).double()
-                t.yy += (y.T @ y).double()
-                if count_tokens and s == splits[0]:
-                    stats.n_tokens += x.shape[0]
+                stats.add(f"hidden:{s}", layers, x, f.get_tensor(f"hidden:{s}").float(),
+                          count_tokens=count_tokens and s == splits[0], product_dtype=torch.float32)
+        stats.end_context()
 
 
 def main() -> None:
@@ -71,6 +57,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     s_name, r_name = args.pair.split(":")
     splits = [int(x) for x in args.splits.split(",")]
+    stem = mapper_stem(s_name, r_name, args.workload, hidden_width=args.width)
+    if artifact_paths(stem)[1].exists():
+        raise SystemExit(f"{stem} exists; remove it first (not overwritten)")
     base = mapper_stem(s_name, r_name, args.workload)
     old_mapper = RidgeMapper.load(base)
     expect = pair_fingerprints(old_mapper.header)
@@ -80,16 +69,16 @@ def main() -> None:
     files = sorted(root.glob("*.safetensors"))
     if len(files) < n_ctx + 4:
         raise SystemExit(f"{root}: {len(files)} dumps, need {n_ctx + 4}")
+    # the dumps must be the statistics' own contexts: the same token count
+    dump_tokens = sum(safe_open(str(p), "pt").get_slice(f"hidden:{splits[0]}").get_shape()[0] for p in files[:n_ctx])
+    if dump_tokens != old.n_tokens:
+        raise SystemExit(f"dumps hold {dump_tokens} tokens, the statistics {old.n_tokens}: not the same contexts")
     header = dict(old.header, hidden_width=args.width, hidden_targets_from="benchmarks/hidden_map_refit.py")
     stats = PairStatistics(header, dict(old.features), {k: v for k, v in old.targets.items() if k.startswith("kv:")},
                            old.n_tokens)
     add_dumps(stats, files[:n_ctx], splits, args.width, args.receiver_boundaries, count_tokens=False)
     heldout = PairStatistics.empty(header)
     add_dumps(heldout, files[n_ctx:n_ctx + 4], splits, args.width, args.receiver_boundaries, count_tokens=True)
-    # the dumps must be the statistics' own contexts: the same token count
-    dump_tokens = sum(safe_open(str(p), "pt").get_slice(f"hidden:{splits[0]}").get_shape()[0] for p in files[:n_ctx])
-    if dump_tokens != old.n_tokens:
-        raise SystemExit(f"dumps hold {dump_tokens} tokens, the statistics {old.n_tokens}: not the same contexts")
     fitted = RidgeMapper.fit(stats, heldout, targets=[f"hidden:{s}" for s in splits])
     mapper = RidgeMapper(dict(old_mapper.header, hidden_width=args.width,
                               hidden_targets_from="benchmarks/hidden_map_refit.py"))
@@ -104,9 +93,6 @@ def main() -> None:
                     fitted.header["targets"][name]["sender_layers"], fitted.header["targets"][name]["rho"],
                     fitted.header["targets"][name]["heldout_r2"],
                     old_mapper.header["targets"].get(name, {}).get("heldout_r2"))
-    stem = mapper_stem(s_name, r_name, args.workload, hidden_width=args.width)
-    if artifact_paths(stem)[1].exists():
-        raise SystemExit(f"{stem} exists; remove it first (not overwritten)")
     stats.save(f"{stem}.stats")
     mapper.save(stem)
     logger.info("saved %s", stem)

@@ -16,7 +16,7 @@ import numpy as np
 
 from cachecert_agents.cti.index import compute_cti
 from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
-from cachecert_agents.eval.transfer_eval import mapper_stem
+from cachecert_agents.eval.transfer_eval import mapper_stem, parse_method
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
@@ -124,12 +124,13 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
                      and p["workload"] == row["workload"]), None)
         if pred is None:
             continue
-        if row["method"] == "ridge-kv":
-            split = str(max(int(k) for k in pred["splits"]))
-        elif row["method"].startswith("split@") and "+" not in row["method"]:
-            split = row["method"][len("split@"):]  # CTI's split profile describes the default mapper only
-        else:
+        try:
+            split_layer, hidden_width = parse_method(row["method"], max(int(k) for k in pred["splits"]))
+        except ValueError:
             continue
+        if hidden_width:  # CTI's split profile describes the default (3-layer) residual-stream map only
+            continue
+        split = str(split_layer)
         sp = pred["splits"].get(split)
         if sp is None:
             continue

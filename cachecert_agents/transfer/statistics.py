@@ -67,21 +67,22 @@ class PairStatistics:
         return cls(dict(header, format=FORMAT, version=__version__))
 
     def add(self, name: str, sender_layers: list[int], x: torch.Tensor, y: torch.Tensor,
-            count_tokens: bool = False) -> None:
+            count_tokens: bool = False, product_dtype: torch.dtype = torch.float64) -> None:
         """Accumulate features ``x`` ``[n, F]`` and targets ``y`` ``[n, D]`` of one context for target ``name``.
 
         Feature moments are added once per context and feature block: pass ``count_tokens=True`` for the first
-        target of each context (it also counts the tokens).
+        target of each context (it also counts the tokens). The running sums are float64; ``product_dtype``
+        float32 forms one context's products in float32 first (about 4x faster at 10k features).
         """
-        x64, y64 = x.double(), y.double()
+        xp, yp = x.to(product_dtype), y.to(product_dtype)
         key = "x" + "-".join(map(str, sender_layers))
         first_for_block = key not in self._seen_this_context
         if key not in self.features:
             self.features[key] = Moments(torch.zeros(x.shape[1], dtype=torch.float64),
                                          torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64))
         if first_for_block:
-            self.features[key].sum_x += x64.sum(0)
-            self.features[key].xx += x64.T @ x64
+            self.features[key].sum_x += xp.sum(0)
+            self.features[key].xx += xp.T @ xp
             self._seen_this_context.add(key)
         if name not in self.targets:
             d = y.shape[1]
@@ -89,9 +90,9 @@ class PairStatistics:
                                                torch.zeros(x.shape[1], d, dtype=torch.float64),
                                                torch.zeros(d, d, dtype=torch.float64))
         t = self.targets[name]
-        t.sum_y += y64.sum(0)
-        t.xy += x64.T @ y64
-        t.yy += y64.T @ y64
+        t.sum_y += yp.sum(0)
+        t.xy += xp.T @ yp
+        t.yy += yp.T @ yp
         if count_tokens:
             self.n_tokens += x.shape[0]
 
