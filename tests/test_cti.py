@@ -171,3 +171,30 @@ def test_correlate_and_report_with_the_cosine_baseline_and_a_second_workload(tmp
     text = (tmp_path / "cti_cross.md").read_text()
     assert "Cross-workload check" in text and "cti_cross_vs_retention.png" in text
     assert (tmp_path / "plots" / "cti_cross_vs_retention.png").exists()
+
+
+def test_split_selection_ranks_a_pairs_methods_and_reports_the_pick(tmp_path):
+    from cachecert_agents.eval.cti_eval import split_selection
+    from cachecert_agents.eval.cti_report import write_cti_report
+
+    def pt(method, retention, cti, res):
+        return {"sender": "a", "receiver": "r", "workload": "hotpotqa", "method": method, "n": 30,
+                "retention": retention, "agreement": 0.5, "cti": cti, "residual_fraction": res, "r2": 0.7,
+                "attention_cosine": None}
+
+    points = [pt("split@4", 0.9, 1.0, 0.5), pt("split@8", 0.6, 0.8, 0.7), pt("ridge-kv", 0.3, 0.9, 0.6),
+              dict(pt("ridge-kv", 0.5, 0.5, 0.5), sender="b")]  # pair b has one method: no ranking
+    sel = split_selection(points)
+    (g,) = sel["groups"]
+    assert g["measured_best"] == "split@4" and g["best_cti"] == "split@4" and g["best_residual_fraction"] == "split@8"
+    assert g["spearman_cti"] == pytest.approx(0.5) and g["spearman_residual_fraction"] == pytest.approx(-0.5)
+    assert "spearman_attention_cosine" not in g  # missing for some methods: not ranked
+    assert sel["summary"] == {"n_groups": 1, "mean_spearman_cti": pytest.approx(0.5), "best_matches_cti": 1,
+                              "mean_spearman_residual_fraction": pytest.approx(-0.5),
+                              "best_matches_residual_fraction": 0}
+    payload = {"command": "cachecert cti", "date": "d", "machine": "m",
+               "results": {"pairs": [], "retention": {"points": points, "correlations": {},
+                                                      "split_selection": sel}}}
+    write_cti_report(payload, tmp_path / "cti.md", tmp_path / "plots", lambda *a: "")
+    text = (tmp_path / "cti.md").read_text()
+    assert "Picking a split from statistics alone" in text and "0.500 (split@4)" in text

@@ -155,4 +155,35 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
             row["spearman_cti_same_points"] = spearman([p["cti"] for p in with_cos],
                                                        [p["retention"] for p in with_cos])
         out["correlations"][name] = row
+    out["split_selection"] = split_selection(points)
     return out
+
+
+def split_selection(points: list[dict]) -> dict[str, Any]:
+    """Whether each predictor ranks one pair's split layers (and pure KV) as measured retention does: per (pair,
+    workload) with at least 3 methods, Spearman's rho across its methods, and whether the predictor's best method
+    is the measured best. This is the question a user asks when picking a split from statistics alone."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
+    rows = []
+    for (sender, receiver, workload), pts in sorted(groups.items()):
+        if len(pts) < 3:
+            continue
+        best = max(pts, key=lambda p: p["retention"])["method"]
+        row: dict[str, Any] = {"sender": sender, "receiver": receiver, "workload": workload, "n_methods": len(pts),
+                               "measured_best": best}
+        for key in ("cti", "residual_fraction", "attention_cosine"):
+            if any(p[key] is None for p in pts):
+                continue
+            row[f"spearman_{key}"] = spearman([p[key] for p in pts], [p["retention"] for p in pts])
+            row[f"best_{key}"] = max(pts, key=lambda p: p[key])["method"]
+        rows.append(row)
+    summary: dict[str, Any] = {"n_groups": len(rows)}
+    for key in ("cti", "residual_fraction", "attention_cosine"):
+        vals = [r[f"spearman_{key}"] for r in rows if f"spearman_{key}" in r]
+        if vals:
+            summary[f"mean_spearman_{key}"] = sum(vals) / len(vals)
+            summary[f"best_matches_{key}"] = sum(r[f"best_{key}"] == r["measured_best"] for r in rows
+                                                 if f"best_{key}" in r)
+    return {"groups": rows, "summary": summary}

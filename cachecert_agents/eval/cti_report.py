@@ -72,6 +72,24 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
             lines.append(f"| {p['sender']} -> {p['receiver']} | {p['workload']} | {p['method']} | {p['n']} | "
                          f"{f(p['retention'])} | {f(p['agreement'])} | {f(p['cti'])} | {f(p['residual_fraction'])} | "
                          f"{f(p['r2'])} | {f(p.get('attention_cosine'))} |")
+        sel = corr.get("split_selection") or {}
+        if sel.get("groups"):
+            lines += ["", "## Picking a split from statistics alone", "",
+                      "Within each pair, across its measured methods (split layers and pure KV): Spearman's rho "
+                      "between the predictor and retention, and the method each predictor would pick.", "",
+                      "| pair | workload | methods | measured best | CTI rho (pick) | 1-residual rho (pick) | "
+                      "attention cosine rho (pick) |", "|---|---|---|---|---|---|---|"]
+            pick = lambda g, k: (f"{f(g[f'spearman_{k}'])} ({g[f'best_{k}']})"  # noqa: E731
+                                 if f"spearman_{k}" in g else "-")
+            for g in sel["groups"]:
+                lines.append(f"| {g['sender']} -> {g['receiver']} | {g['workload']} | {g['n_methods']} | "
+                             f"{g['measured_best']} | {pick(g, 'cti')} | {pick(g, 'residual_fraction')} | "
+                             f"{pick(g, 'attention_cosine')} |")
+            sm = sel["summary"]
+            lines += ["", f"Mean within-pair rho over {sm['n_groups']} pairs: " + "; ".join(
+                f"{label} {sm[f'mean_spearman_{k}']:.3f} (picks the best method in {sm[f'best_matches_{k}']})"
+                for k, label in (("cti", "CTI"), ("residual_fraction", "1-residual"),
+                                 ("attention_cosine", "attention cosine")) if f"mean_spearman_{k}" in sm)]
         cos_costs = [(q["sender"], q["receiver"], q["baselines"]["attention_cosine"]) for q in pairs
                      if q["baselines"].get("attention_cosine")]
         if cos_costs:
