@@ -174,3 +174,12 @@ def test_labelled_requests_and_split_validation(tmp_path):
     geo = next(r for r in rows if r["score"] == "geometry" and r["alpha"] == 0.2 and r["control"] == "crc")
     const = next(r for r in rows if r["score"] == "constant" and r["alpha"] == 0.2 and r["control"] == "crc")
     assert geo["prefill_saved"] > const["prefill_saved"]  # an informative score accepts more at the same alpha
+    from cachecert_agents.eval.cert_eval import summarise_at_alpha, write_markdown
+    (s,) = summarise_at_alpha(rows, alpha=0.2)
+    assert s["best_score"] == "geometry" and s["geometry_minus_best_baseline"] > 0  # geometry carries the signal
+    assert s["silent_failure_always_transfer"] == pytest.approx(float(labelled["ridge-kv"].unsafe.mean()))
+    assert s["risk_mean"]["geometry"] < s["silent_failure_always_transfer"]
+    assert summarise_at_alpha(rows, alpha=0.3) == []  # no rows at that alpha
+    write_markdown([dict(r, command="cachecert eval cert x") for r in rows], "ignored", tmp_path / "cert.md")
+    text = (tmp_path / "cert.md").read_text()
+    assert "`cachecert eval cert x`" in text and "ignored" not in text and "## s -> r, w, ridge-kv" in text

@@ -154,13 +154,67 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
     return written
 
 
+def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc") -> list[dict]:
+    """One row per (pair, workload, method) at one ``alpha``: the silent-failure rate (served and unsafe, as a
+    fraction of all requests) when always transferring against the mean realised risk under each score's
+    certificate, the prefill each saves, and whether the geometry score saves the most (ties count for it).
+    Scores infeasible on some splits are left out of the comparison."""
+    out = []
+    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    for key in groups:
+        sel = {r["score"]: r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key
+               and r["control"] == control and r["alpha"] == alpha}
+        if not sel:
+            continue
+        r0 = next(iter(sel.values()))
+        feasible = {s: r for s, r in sel.items() if r["n_infeasible"] == 0 and r["risk_mean"] is not None}
+        best = max(feasible, key=lambda s: (feasible[s]["prefill_saved"], s == "geometry"), default=None)
+        baselines = [r["prefill_saved"] for s, r in feasible.items() if s not in ("geometry", "constant")]
+        out.append({
+            "sender": key[0], "receiver": key[1], "workload": key[2], "method": key[3], "alpha": alpha,
+            "control": control, "n_pool": r0["n_pool"], "n_cal": r0["n_cal"],
+            "silent_failure_always_transfer": r0["unsafe_rate_always_transfer"],
+            "prefill_saved_always_transfer": r0["prefill_saved_always_transfer"],
+            "risk_mean": {s: r["risk_mean"] for s, r in feasible.items()},
+            "prefill_saved": {s: r["prefill_saved"] for s, r in feasible.items()},
+            "infeasible_scores": sorted(set(sel) - set(feasible)),
+            "best_score": best,
+            "geometry_minus_best_baseline": (feasible["geometry"]["prefill_saved"] - max(baselines))
+            if "geometry" in feasible and baselines else None,
+        })
+    return out
+
+
 def write_markdown(rows: list[dict], command: str, path: Path) -> None:
-    """``cert.md``: one table per (pair, workload, method)."""
+    """``cert.md``: a summary at alpha = 0.1, then one table per (pair, workload, method)."""
+    commands = sorted({r["command"] for r in rows if r.get("command")}) or [command]
     lines = ["# CacheCert: certification measured on labelled transfers", "",
-             f"Command: `{command}`", "",
+             "Commands (each row of cert.json records its own):", ""] + [f"- `{c}`" for c in commands] + [
+             "",
              "Risk = rate of transfers served (score <= lambda) whose answer disagrees with full prefill, on the "
              "test half of each random split. Prefill saved is net of transfer and scoring cost, in fractions of "
              "the receiver's context prefill time (a refused transfer costs its transfer and scoring time).", ""]
+    f = lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"  # noqa: E731
+    summary = summarise_at_alpha(rows)
+    if summary:
+        lines += ["## Summary at alpha = 0.1 (CRC)", "",
+                  "Silent failures = transfers served whose answer disagrees with full prefill, as a fraction of "
+                  "all requests (the realised risk). Without certification every transfer is served. "
+                  "Geometry vs best baseline = the geometry score's prefill saved minus the best of entropy and "
+                  "margin (positive: geometry saves more).", "",
+                  "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
+                  "score) | prefill saved: always -> certified | best score | geometry vs best baseline |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in summary:
+            b = s["best_score"]
+            cert = (f"{f(s['silent_failure_always_transfer'])} -> {f(s['risk_mean'][b])}" if b else
+                    f"{f(s['silent_failure_always_transfer'])} -> infeasible")
+            saved = (f"{f(s['prefill_saved_always_transfer'])} -> {f(s['prefill_saved'][b])}" if b else
+                     f"{f(s['prefill_saved_always_transfer'])} -> -")
+            lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {s['method']} | {s['n_pool']} "
+                         f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
+                         f"{f(s['geometry_minus_best_baseline'])} |")
+        lines.append("")
     groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
     for key in groups:
         sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
@@ -172,7 +226,6 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "| score | control | alpha | delta | risk mean | risk std | risk max | P(risk > alpha) | accept | "
                   "prefill saved | infeasible splits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sel, key=lambda r: (r["control"], r["alpha"], r["score"])):
-            f = lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"  # noqa: E731
             lines.append(f"| {r['score']} | {r['control']} | {r['alpha']} | {r['delta'] or '-'} | "
                          f"{f(r['risk_mean'])} | {f(r['risk_std'])} | {f(r['risk_max'])} | "
                          f"{f(r['frac_above_alpha'])} | {f(r['accept_rate'])} | {f(r['prefill_saved'])} | "
