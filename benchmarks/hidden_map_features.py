@@ -35,15 +35,27 @@ def variants(s: int, receiver_boundaries: int, sender_boundaries: int) -> dict[s
     out["width3+prev-token"] = sender_layers_for(s, receiver_boundaries, sender_boundaries, 3) + ["prev"] + centre
     out["width3+final"] = sender_layers_for(s, receiver_boundaries, sender_boundaries, 3) + [sender_boundaries - 1]
     out["every-2nd"] = list(range(0, sender_boundaries, 2))
+    # receiver-anchored: the receiver's own (exact, cheap) residual stream entering layer a < s joins the features
+    for a in (2, 4):
+        if a < s:
+            out[f"anchor{a}-only"] = [f"anchor:{a}"]
+            out[f"width13+anchor{a}"] = out["width13"] + [f"anchor:{a}"]
     return out
 
 
-def features(sender: torch.Tensor, spec: list) -> torch.Tensor:
-    """``sender`` ``[B, n, d]`` -> ``[n, F]``; a ``"prev"`` marker shifts the following layers by one token."""
+def features(f, spec: list) -> torch.Tensor:
+    """Features ``[n, F]`` from an open dump ``f``: sender layers (``sender`` ``[B, n, d]``) by index, ``"prev"``
+    shifts the following layers by one token, ``"anchor:a"`` is the receiver's residual stream entering layer
+    ``a``, RMS-normalised per token like the sender's features."""
+    sender = f.get_tensor("sender")
     parts, shift = [], False
     for item in spec:
         if item == "prev":
             shift = True
+            continue
+        if isinstance(item, str) and item.startswith("anchor:"):
+            h = f.get_tensor(f"hidden:{item.split(':')[1]}").float()
+            parts.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
             continue
         x = sender[item].float()
         if shift:
@@ -88,7 +100,7 @@ def main() -> None:
             n = 0
             for path in fit:
                 with safe_open(str(path), "pt") as f:
-                    x = features(f.get_tensor("sender"), spec)
+                    x = features(f, spec)
                     y = f.get_tensor(f"hidden:{s}").double()
                 if xx is None:
                     xx, xy = x.T @ x, x.T @ y
@@ -108,7 +120,7 @@ def main() -> None:
                 cos = []
                 for path in paths:
                     with safe_open(str(path), "pt") as f:
-                        x = features(f.get_tensor("sender"), spec)
+                        x = features(f, spec)
                         y = f.get_tensor(f"hidden:{s}").double()
                     pred = x @ w + b
                     sse += float(((pred - y) ** 2).sum())

@@ -210,7 +210,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
     mapper = build_mapper(sender, receiver, workload, splits, args.n_contexts,
-                          out_dir=Path(args.out) if args.out else None, force=True, hidden_width=args.hidden_width)
+                          out_dir=Path(args.out) if args.out else None, force=True, hidden_width=args.hidden_width,
+                          anchor=args.anchor)
     summary = {"pair": f"{sender.name}:{receiver.name}", "workload": workload.name,
                "fit_tokens": mapper.header["fit_tokens"],
                "targets": {k: {"rho": v["rho"], "heldout_r2": round(v["heldout_r2"], 4)}
@@ -252,8 +253,11 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
         for workload_name in workloads:
             workload = get_workload(workload_name, data=args.data)
             mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration,
-                                  hidden_width=args.hidden_width)
-            scorer = None if args.no_scores else build_scorer(sender, receiver, workload, mapper)
+                                  hidden_width=args.hidden_width, anchor=args.anchor)
+            if args.anchor is not None and not args.no_scores:
+                logger.warning("anchored mappers have no risk scores yet: evaluating without them")
+            scorer = (None if args.no_scores or args.anchor is not None
+                      else build_scorer(sender, receiver, workload, mapper))
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
                                               Path(args.results_dir), scorer=scorer,
                                               controls=not args.no_controls)
@@ -283,7 +287,8 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
 
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
-    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width)
+    mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width,
+                          anchor=args.anchor)
     rows = transfer_cost(sender, receiver, mapper, splits, [int(x) for x in args.context_tokens.split(",")],
                          args.repeats)
     if args.out:
@@ -401,7 +406,9 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
     try:
-        _, hidden_width = parse_method(args.method)
+        _, hidden_width, anchor = parse_method(args.method)
+        if anchor is not None:
+            raise ValueError("anchored methods (+aA) have no risk scores yet, so no certificate")
     except ValueError as err:
         raise CacheCertError(f"--method: {err}") from None
     sender_name, receiver_name = args.pair
@@ -728,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")
+    p.add_argument("--anchor", type=int, default=None, metavar="A",
+                   help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
+                        "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
@@ -742,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")
+    p.add_argument("--anchor", type=int, default=None, metavar="A",
+                   help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
+                        "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
@@ -823,6 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", default="1024,2048")
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="time the split@K+wW mapper (see eval transfer --hidden-width)")
+    p.add_argument("--anchor", type=int, default=None, metavar="A", help="time the +aA mapper (see eval transfer)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
     p.add_argument("--device", default="cpu")

@@ -200,9 +200,51 @@ def test_wider_residual_stream_window_reads_more_sender_layers(twins):
 def test_method_names_round_trip():
     from cachecert_agents.eval.transfer_eval import method_name, parse_method
 
-    for split, width in ((3, None), (14, 9), (28, None)):
-        assert parse_method(method_name(split, 28, width), 28) == (split, width if split < 28 else None)
+    for split, width, anchor in ((3, None, None), (14, 9, None), (28, None, None), (17, 13, 4), (17, None, 2),
+                                 (28, None, 3)):
+        assert parse_method(method_name(split, 28, width, anchor), 28) == (split, width if split < 28 else None,
+                                                                           anchor)
     assert method_name(14, 28, 9) == "split@14+w9" and method_name(28, 28, 9) == "ridge-kv"
-    for bad in ("split@", "split@x", "kv", "split@3+9"):
+    assert method_name(17, 28, 13, 4) == "split@17+w13+a4" and method_name(28, 28, None, 2) == "ridge-kv+a2"
+    assert parse_method("split@17+a4").anchor == 4 and parse_method("ridge-kv").split is None
+    for bad in ("split@", "split@x", "kv", "split@3+9", "split@3+a", "ridge-kv+w3"):
         with pytest.raises(ValueError, match="ridge-kv, split@K or split@K\\+wW"):
             parse_method(bad)
+
+
+def test_anchored_transfer_computes_the_layers_below_the_anchor_and_reads_the_stream_there(twins):
+    """With an anchor a, layers < a are the receiver's own (exact) and the maps read its stream entering a, so
+    layer a's keys/values are an exactly linear function of the features, whatever the sender."""
+    _, receiver = twins
+    sender = ModelHandle("tiny-c", tiny_model("llama", seed=11), receiver.tokenizer)  # different weights
+    L = receiver.geometry.num_layers
+    gen = torch.Generator().manual_seed(0)
+    texts = [sender.tokenizer.decode(torch.randint(4, 320, (120,), generator=gen)) for _ in range(6)]
+    stats = collect_statistics(sender, receiver, [(t, "q") for t in texts], [2], progress=False, anchor=1)
+    assert "kv:0" not in stats.targets and stats.header["anchor"] == 1  # computed by the receiver, not mapped
+    hidden_r = receiver.geometry.hidden_size
+    assert stats.targets["kv:1"].anchor == 1 and stats.targets["kv:1"].feature_key.endswith("+r1")
+    assert stats.targets["kv:1"].xy.shape[0] == 3 * sender.geometry.hidden_size + hidden_r
+    mapper = RidgeMapper.fit(stats, rho=1e-7)
+    assert mapper.anchor == 1
+    prompt = receiver.format_prompt("the dog sat on the mat in the park", "where did the dog sit")
+    feats = sender_features(sender, sender.format_prompt(prompt.context_text, "where did the dog sit"))
+    exact = receiver.forward(prompt.input_ids[:prompt.context_span[1]], logits_to_keep=1).cache
+    result = transfer(receiver, prompt, feats, mapper, split=2)
+    start, end = prompt.context_span
+    for layer, atol in ((0, 1e-5), (1, 1e-3)):
+        got_k, want_k = result.cache.layers[layer].keys, exact.layers[layer].keys
+        assert torch.allclose(got_k[:, :, start:end], want_k[:, :, start:end], atol=atol), layer
+    # a sender-only mapper's layer 1 is not exact here: the anchor is what makes it so
+    plain = RidgeMapper.fit(collect_statistics(sender, receiver, [(t, "q") for t in texts], [2], progress=False),
+                            rho=1e-7)
+    other = transfer(receiver, prompt, feats, plain, split=2).cache
+    for layer in (0, 1):
+        assert not torch.allclose(other.layers[layer].keys[:, :, start:end],
+                                  exact.layers[layer].keys[:, :, start:end], atol=1e-2), layer
+    pure = transfer(receiver, prompt, feats, mapper, split=L)  # anchored pure KV above the anchor runs too
+    assert pure.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
+    with pytest.raises(ValueError, match="anchored mapper"):
+        transfer(receiver, prompt, feats, mapper, split=1)
+    with pytest.raises(ValueError, match="below every split"):
+        collect_statistics(sender, receiver, [(texts[0], "q")], [1], progress=False, anchor=1)

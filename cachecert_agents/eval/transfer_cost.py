@@ -44,7 +44,8 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             rows.append({"sender": sender.name, "receiver": receiver.name,
                          "context_tokens": int(r_prompt.context_ids.numel()),
                          "split": s, "num_layers": receiver.geometry.num_layers,
-                         "method": method_name(s, receiver.geometry.num_layers, mapper.header.get("hidden_width")),
+                         "method": method_name(s, receiver.geometry.num_layers, mapper.header.get("hidden_width"),
+                                               mapper.anchor),
                          "prefill_s_median": prefill_med, "transfer_s_median": med,
                          "ratio": med / prefill_med, "repeats": repeats})
     return rows

@@ -21,12 +21,13 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_paths
 from cachecert_agents.cert.scores import SCORE_VERSION, RiskScorer
+from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import ratio_interval
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
@@ -41,23 +42,34 @@ from cachecert_agents.transfer.statistics import PairStatistics
 logger = logging.getLogger(__name__)
 
 
-def method_name(split: int, num_layers: int, hidden_width: int | None = None) -> str:
-    """``ridge-kv`` (``split == num_layers``), ``split@s``, or ``split@s+wW`` for a residual-stream map that
-    reads ``W`` sender layers (see :func:`build_mapper`)."""
+def method_name(split: int, num_layers: int, hidden_width: int | None = None, anchor: int | None = None) -> str:
+    """``ridge-kv`` (``split == num_layers``), ``split@s``, ``split@s+wW`` for a residual-stream map that reads
+    ``W`` sender layers, and ``+aA`` for an anchored mapper (the receiver computes its layers below ``A``; see
+    :func:`build_mapper`)."""
+    tail = f"+a{anchor}" if anchor is not None else ""
     if split == num_layers:
-        return "ridge-kv"
-    return f"split@{split}" + (f"+w{hidden_width}" if hidden_width else "")
+        return "ridge-kv" + tail
+    return f"split@{split}" + (f"+w{hidden_width}" if hidden_width else "") + tail
 
 
-def parse_method(method: str, num_layers: int | None = None) -> tuple[int | None, int | None]:
-    """Inverse of :func:`method_name`: ``(split, hidden_width)``; the split of ``ridge-kv`` is ``num_layers``
-    (None when not given). Raises ``ValueError`` naming the accepted forms."""
-    if method == "ridge-kv":
-        return num_layers, None
-    m = re.fullmatch(r"split@(\d+)(?:\+w(\d+))?", method)
+class MethodSpec(NamedTuple):
+    """A transfer method's parts: split layer (``num_layers`` for pure KV, None when unknown), residual-stream
+    window (None: default) and anchor (None: sender features only)."""
+
+    split: int | None
+    hidden_width: int | None
+    anchor: int | None
+
+
+def parse_method(method: str, num_layers: int | None = None) -> MethodSpec:
+    """Inverse of :func:`method_name`; the split of ``ridge-kv`` is ``num_layers`` (None when not given). Raises
+    ``ValueError`` naming the accepted forms."""
+    m = re.fullmatch(r"(?:ridge-kv|split@(\d+)(?:\+w(\d+))?)(?:\+a(\d+))?", method)
     if m is None:
-        raise ValueError(f"method must be ridge-kv, split@K or split@K+wW, got {method!r}")
-    return int(m.group(1)), int(m.group(2)) if m.group(2) else None
+        raise ValueError(f"method must be ridge-kv, split@K or split@K+wW, each optionally +aA, got {method!r}")
+    to_int = lambda g: int(g) if g else None  # noqa: E731
+    split = to_int(m.group(1)) if method.startswith("split@") else num_layers
+    return MethodSpec(split, to_int(m.group(2)), to_int(m.group(3)))
 
 
 def artifact_stem(sender: str, receiver: str, workload: str) -> str:
@@ -65,24 +77,31 @@ def artifact_stem(sender: str, receiver: str, workload: str) -> str:
 
 
 def mapper_stem(sender: str, receiver: str, workload: str, out_dir: Path | None = None,
-                hidden_width: int | None = None) -> Path:
+                hidden_width: int | None = None, anchor: int | None = None) -> Path:
     """Where a pair's mapper lives (``<stem>.json/.safetensors``; its statistics at ``<stem>.stats.*``); a mapper
-    with a wider residual-stream window has its own (``<stem>__w<W>``)."""
-    stem = artifact_stem(sender, receiver, workload) + (f"__w{hidden_width}" if hidden_width else "")
+    with a wider residual-stream window or an anchor has its own (``<stem>__w<W>``, ``<stem>__a<A>``)."""
+    stem = (artifact_stem(sender, receiver, workload) + (f"__w{hidden_width}" if hidden_width else "")
+            + (f"__a{anchor}" if anchor is not None else ""))
     return (out_dir or cache_home() / "mappers") / stem
 
 
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
                  n_contexts: int, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False,
-                 hidden_width: int | None = None) -> RidgeMapper:
+                 hidden_width: int | None = None, anchor: int | None = None) -> RidgeMapper:
     """Load the pair's mapper from the user cache, or calibrate it on the workload's calibration split.
 
     ``hidden_width``: how many sender layer boundaries the residual-stream maps (``hidden:s``) read (default 3,
-    like the key/value maps); such a mapper is stored apart and its transfers are named ``split@s+wW``."""
-    stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir, hidden_width)
+    like the key/value maps); such a mapper is stored apart and its transfers are named ``split@s+wW``.
+    ``anchor``: an anchored mapper (:mod:`cachecert_agents.transfer.apply`), for splits above the anchor only;
+    its transfers are named ``...+aA``."""
+    if anchor is not None and not 0 < anchor < min(splits, default=0):
+        raise ValueError(f"anchor {anchor} must be above 0 and below every split ({splits})")
+    stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir, hidden_width, anchor)
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
     if hidden_width:
         header["hidden_width"] = hidden_width
+    if anchor is not None:
+        header["anchor"] = anchor
     expect = pair_fingerprints(header)
     wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
     if artifact_paths(stem)[1].exists() and not force:
@@ -97,11 +116,11 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
                          f"{n_heldout} held out")
     hidden_splits = sorted(int(t.split(":")[1]) for t in wanted)
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
-                               hidden_splits, header, total=n_contexts, hidden_width=hidden_width)
+                               hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor)
     stats.save(f"{stem}.stats")
     heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
                                                     cal[n_contexts:n_contexts + n_heldout]],
-                                 hidden_splits, header, total=n_heldout, hidden_width=hidden_width)
+                                 hidden_splits, header, total=n_heldout, hidden_width=hidden_width, anchor=anchor)
     mapper = RidgeMapper.fit(stats, heldout)
     mapper.save(stem)
     logger.info("saved mapper %s", stem)
@@ -110,7 +129,11 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
 
 def build_scorer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                  out_dir: Path | None = None) -> RiskScorer:
-    """The risk scorer of a mapper built by :func:`build_mapper` (reads the statistics saved beside it)."""
+    """The risk scorer of a mapper built by :func:`build_mapper` (reads the statistics saved beside it). Anchored
+    mappers have no risk scores yet (the geometry score's leverage would need the anchor stream)."""
+    if mapper.anchor is not None:
+        raise CacheCertError("risk scores are not defined for anchored mappers (+aA methods) yet; evaluate them "
+                             "with --no-scores")
     stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir, mapper.header.get("hidden_width"))
     expect = pair_fingerprints(mapper.header)
     stats = PairStatistics.load(f"{stem}.stats", expect=expect)
@@ -136,7 +159,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
     records of different subsets in different ``results_dir``."""
     L = receiver.geometry.num_layers
-    width = mapper.header.get("hidden_width")
+    width, anchor = mapper.header.get("hidden_width"), mapper.anchor
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
@@ -149,7 +172,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        methods = [method_name(s, L, width) for s in splits]
+        methods = [method_name(s, L, width, anchor) for s in splits]
         methods += ["no-context", "sender", "random-map"] if controls else []
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
@@ -184,7 +207,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
         for s in splits:
-            m = method_name(s, L, width)
+            m = method_name(s, L, width, anchor)
             if (ex.id, m) in done:
                 continue
             feats = feats or sender_features(sender, s_prompt)

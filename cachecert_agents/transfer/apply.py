@@ -9,6 +9,11 @@ Split transfer with receiver repair at split layer ``s`` (``0 <= s <= L``):
   stream entering layer ``s`` (exact given that input);
 - ``s = L`` is a pure KV transfer (no receiver layer runs); ``s = 0`` is a full prefill (exact).
 
+Anchored split transfer (a mapper fitted with an anchor ``a < s``): the receiver also computes its layers ``< a``
+over the context itself (exact keys/values there), and the maps of layers ``a .. s-1`` and of the stream at ``s``
+read its own residual stream entering layer ``a`` next to the sender's features. Work avoided: about
+``(s - a) / L``.
+
 The receiver's work avoided is about ``s / L`` of its context prefill; the result reports the measured time.
 The partial forward reuses the model's own forward (masks, sliding windows, positions) with the layers below
 ``s`` temporarily replaced by stubs that write the mapped keys/values into the cache.
@@ -25,7 +30,7 @@ import torch
 
 from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
-from cachecert_agents.transfer.features import SenderFeatures, alignment_for, unflatten_kv
+from cachecert_agents.transfer.features import SenderFeatures, alignment_for, rms_normalise, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
 
 
@@ -68,12 +73,63 @@ def _replaced_layers(model: Any, replacements: dict[int, torch.nn.Module]) -> It
             base.layers[i] = module
 
 
+class _AnchoredMapping:
+    """The maps of an anchored split transfer, run once when the receiver's forward reaches the anchor layer
+    ``a`` (its input there is the receiver's own exact residual stream over the context, ``[1, n, hidden]``):
+    keys/values of layers ``a .. s-1`` and the stream entering ``s`` (None when ``s = L``)."""
+
+    def __init__(self, receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatures, split: int,
+                 positions: torch.Tensor):
+        self.receiver, self.mapper, self.features, self.split, self.positions = (receiver, mapper, features, split,
+                                                                                 positions)
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hidden: torch.Tensor | None = None
+
+    def run(self, anchor_stream: torch.Tensor) -> None:
+        anchor_x = rms_normalise(anchor_stream[0].float())
+        for layer in range(self.mapper.anchor, self.split):
+            self.kv[layer] = mapped_kv(self.receiver, self.mapper, self.features, layer, self.positions, anchor_x)
+        if self.split < self.receiver.geometry.num_layers:
+            self.hidden = self.mapper.predict(f"hidden:{self.split}", mapper_input(
+                self.mapper, f"hidden:{self.split}", self.features, anchor_x))[None]
+
+
+class _AnchoredLayer(torch.nn.Module):
+    """Stands in for decoder layer ``a <= l < s`` of an anchored split transfer (see :class:`_AnchoredMapping`)."""
+
+    def __init__(self, layer_idx: int, mapping: _AnchoredMapping):
+        super().__init__()
+        self.layer_idx, self.mapping = layer_idx, mapping
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        m = self.mapping
+        if self.layer_idx == m.mapper.anchor:
+            m.run(hidden_states)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache.update(*m.kv[self.layer_idx], self.layer_idx)
+        last = self.layer_idx == m.split - 1 and m.hidden is not None
+        return m.hidden.to(hidden_states.dtype) if last else hidden_states
+
+
+def mapper_input(mapper: RidgeMapper, name: str, features: SenderFeatures,
+                 anchor_x: torch.Tensor | None = None) -> torch.Tensor:
+    """The features target ``name`` reads ``[n, F]``: its sender layers, then the anchor stream for an anchored
+    mapper (``anchor_x`` ``[n, hidden_r]``, RMS-normalised)."""
+    x = features.select(mapper.sender_layers(name))
+    if mapper.anchor is None:
+        return x
+    if anchor_x is None:
+        raise ValueError(f"{name} of an anchored mapper (anchor {mapper.anchor}) needs the receiver's stream there")
+    return torch.cat([x.to(anchor_x.device), anchor_x], dim=-1)
+
+
 def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatures, layer: int,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: torch.Tensor, anchor_x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]`` from
-    features already on the receiver's tokens."""
+    features already on the receiver's tokens (and, for an anchored mapper, the receiver's normalised stream at
+    the anchor, ``anchor_x`` ``[n, hidden_r]``)."""
     geo = receiver.geometry
-    x = features.select(mapper.sender_layers(f"kv:{layer}"))
+    x = mapper_input(mapper, f"kv:{layer}", features, anchor_x)
     k, v = unflatten_kv(mapper.predict(f"kv:{layer}", x.to(receiver.device)), geo.num_kv_heads, geo.head_dim)
     cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
     return apply_rope(k, cos, sin), v
@@ -104,8 +160,16 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     t0 = time.perf_counter()
     alignment = alignment_for(prompt.context_offsets, features.offsets) if split > 0 else None
     features = features.on_receiver_tokens(alignment)
+    anchor = mapper.anchor if split > 0 else None
+    if anchor is not None and (split <= anchor or oracle):
+        raise ValueError(f"an anchored mapper (anchor {anchor}) transfers at splits above {anchor} only, and has "
+                         f"no oracle diagnostics; got split {split}")
     if split == 0:
         receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
+    elif anchor is not None:
+        mapping = _AnchoredMapping(receiver, mapper, features, split, positions)
+        with _replaced_layers(receiver.model, {i: _AnchoredLayer(i, mapping) for i in range(anchor, split)}):
+            receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     else:
         stubs = {}
         hidden = None
@@ -115,7 +179,7 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
             if oracle in ("hidden", "both"):
                 hidden = true_targets.hidden[split].to(receiver.device)[None]
             else:
-                x = features.select(mapper.sender_layers(f"hidden:{split}"))
+                x = mapper_input(mapper, f"hidden:{split}", features)
                 hidden = mapper.predict(f"hidden:{split}", x.to(receiver.device))[None]
         for layer in range(split):
             if oracle in ("kv", "both"):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
+import torch
 from tqdm.auto import tqdm
 
 from cachecert_agents.models.handle import ModelHandle
-from cachecert_agents.transfer.features import alignment_for, receiver_targets, sender_features
+from cachecert_agents.transfer.features import alignment_for, receiver_targets, rms_normalise, sender_features
 from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
 
 logger = logging.getLogger(__name__)
@@ -35,15 +36,24 @@ def pair_fingerprints(header: dict) -> dict:
 
 def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
                        splits: list[int], header: dict | None = None, width: int = 3,
-                       progress: bool = True, total: int | None = None, hidden_width: int | None = None
-                       ) -> PairStatistics:
+                       progress: bool = True, total: int | None = None, hidden_width: int | None = None,
+                       anchor: int | None = None) -> PairStatistics:
     """Stream ``(context, instruction)`` pairs through both models and accumulate moments for every receiver
     layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``).
 
     Each target reads ``width`` consecutive sender layer boundaries around its proportional depth;
     ``hidden_width`` (default ``width``) widens that window for the residual-stream targets only (a wider window
-    predicts the stream better: ``docs/results/hidden_map_features.md``)."""
+    predicts the stream better: ``docs/results/hidden_map_features.md``).
+
+    ``anchor`` ``a``: statistics of an anchored mapper. Every target's features end with the receiver's own
+    normalised residual stream entering layer ``a`` (the receiver computes its layers below ``a`` itself at
+    transfer time); the targets below the anchor (``kv:l``, ``l < a``; ``hidden:s``, ``s <= a``) are not
+    collected, since an anchored transfer computes them exactly."""
     stats = PairStatistics.empty(header or pair_header(sender, receiver))
+    if anchor is not None:
+        if not all(anchor < s for s in splits):
+            raise ValueError(f"anchor {anchor} must be below every split ({splits})")
+        stats.header["anchor"] = anchor
     import time
 
     ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
@@ -53,22 +63,28 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
                                      disable=not progress, total=total):
         s_prompt = sender.format_prompt(context, instruction)
         r_prompt = receiver.format_prompt(context, instruction)
-        targets = receiver_targets(receiver, r_prompt, splits)
+        targets = receiver_targets(receiver, r_prompt, sorted(set(splits) | ({anchor} if anchor else set())))
+        anchor_x = rms_normalise(targets.hidden[anchor]) if anchor else None
         alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
         feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)
 
         def features_for(boundary: int, w: int = width):
             layers = sender_layers_for(boundary, lr, ls, w)
-            return layers, feats.select(layers)
+            x = feats.select(layers)
+            return layers, x if anchor_x is None else torch.cat([x, anchor_x], dim=-1)
 
         first = True
         for layer, y in enumerate(targets.kv):
+            if anchor and layer < anchor:
+                continue
             layers, x = features_for(layer)
-            stats.add(f"kv:{layer}", layers, x, y, count_tokens=first)
+            stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor)
             first = False
-        for s, y in targets.hidden.items():
+        for s in splits:
+            if anchor and s <= anchor:
+                continue
             layers, x = features_for(s, hidden_width or width)
-            stats.add(f"hidden:{s}", layers, x, y)
+            stats.add(f"hidden:{s}", layers, x, targets.hidden[s], anchor=anchor)
         stats.end_context()
         n_contexts += 1
     stats.header["n_contexts"] = n_contexts

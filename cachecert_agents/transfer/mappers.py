@@ -75,6 +75,7 @@ class RidgeMapper:
             mapper.weights[name], mapper.biases[name] = w.float(), b.float()
             mapper.header["targets"][name] = {
                 "sender_layers": stats.targets[name].sender_layers, "rho": r,
+                **({"anchor": stats.targets[name].anchor} if stats.targets[name].anchor is not None else {}),
                 "heldout_r2": score, "fit_r2": heldout_r2(w, b, stats, name)}
         return mapper
 
@@ -91,6 +92,12 @@ class RidgeMapper:
 
     def sender_layers(self, name: str) -> list[int]:
         return self.header["targets"][name]["sender_layers"]
+
+    @property
+    def anchor(self) -> int | None:
+        """For an anchored mapper, the receiver layer ``a`` whose input stream (computed by the receiver itself
+        over the context) its maps read after the sender features; None for a sender-only mapper."""
+        return self.header.get("anchor")
 
     def predict(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``[n, F]`` features -> ``[n, D]`` predicted targets (on the features' device)."""

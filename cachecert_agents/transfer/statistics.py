@@ -2,7 +2,9 @@
 
 For each receiver *target* (``kv:l``: pre-RoPE keys and values of receiver layer l; ``hidden:s``: residual stream
 entering layer s) the features are the sender's normalised residual stream at a few layer boundaries around the
-proportional depth (:func:`sender_layers_for`). Moments are accumulated uncentred (sums, ``X^T X``, ``X^T Y``,
+proportional depth (:func:`sender_layers_for`), optionally followed by an *anchor*: the receiver's own normalised
+residual stream entering layer ``a`` (for anchored split transfers, where the receiver computes its layers below
+``a`` itself). Moments are accumulated uncentred (sums, ``X^T X``, ``X^T Y``,
 ``Y^T Y``) in float64, so contexts can be added one at a time and statistics from several runs can be merged.
 Feature moments are shared between targets that read the same sender layers.
 
@@ -51,6 +53,7 @@ class TargetMoments:
     sum_y: torch.Tensor
     xy: torch.Tensor
     yy: torch.Tensor
+    anchor: int | None = None  # receiver layer whose input stream follows the sender features (None: no anchor)
 
 
 @dataclass
@@ -67,15 +70,17 @@ class PairStatistics:
         return cls(dict(header, format=FORMAT, version=__version__))
 
     def add(self, name: str, sender_layers: list[int], x: torch.Tensor, y: torch.Tensor,
-            count_tokens: bool = False, product_dtype: torch.dtype = torch.float64) -> None:
-        """Accumulate features ``x`` ``[n, F]`` and targets ``y`` ``[n, D]`` of one context for target ``name``.
+            count_tokens: bool = False, product_dtype: torch.dtype = torch.float64, anchor: int | None = None
+            ) -> None:
+        """Accumulate features ``x`` ``[n, F]`` and targets ``y`` ``[n, D]`` of one context for target ``name``
+        (``x`` ends with the receiver's anchor stream when ``anchor`` is given).
 
         Feature moments are added once per context and feature block: pass ``count_tokens=True`` for the first
         target of each context (it also counts the tokens). The running sums are float64; ``product_dtype``
         float32 forms one context's products in float32 first (about 4x faster at 10k features).
         """
         xp, yp = x.to(product_dtype), y.to(product_dtype)
-        key = "x" + "-".join(map(str, sender_layers))
+        key = "x" + "-".join(map(str, sender_layers)) + (f"+r{anchor}" if anchor is not None else "")
         first_for_block = key not in self._seen_this_context
         if key not in self.features:
             self.features[key] = Moments(torch.zeros(x.shape[1], dtype=torch.float64),
@@ -88,7 +93,7 @@ class PairStatistics:
             d = y.shape[1]
             self.targets[name] = TargetMoments(key, list(sender_layers), torch.zeros(d, dtype=torch.float64),
                                                torch.zeros(x.shape[1], d, dtype=torch.float64),
-                                               torch.zeros(d, d, dtype=torch.float64))
+                                               torch.zeros(d, d, dtype=torch.float64), anchor)
         t = self.targets[name]
         t.sum_y += yp.sum(0)
         t.xy += xp.T @ yp
@@ -124,7 +129,8 @@ class PairStatistics:
         for name, t in self.targets.items():
             tensors[f"{name}/sum_y"], tensors[f"{name}/xy"], tensors[f"{name}/yy"] = t.sum_y, t.xy, t.yy
         header = dict(self.header, n_tokens=self.n_tokens,
-                      targets={n: {"feature_key": t.feature_key, "sender_layers": t.sender_layers}
+                      targets={n: {"feature_key": t.feature_key, "sender_layers": t.sender_layers,
+                                   **({"anchor": t.anchor} if t.anchor is not None else {})}
                                for n, t in self.targets.items()})
         return save_artifact(path, tensors, header)
 
@@ -138,5 +144,5 @@ class PairStatistics:
             if key not in stats.features:
                 stats.features[key] = Moments(tensors[f"{key}/sum_x"], tensors[f"{key}/xx"])
             stats.targets[name] = TargetMoments(key, spec["sender_layers"], tensors[f"{name}/sum_y"],
-                                                tensors[f"{name}/xy"], tensors[f"{name}/yy"])
+                                                tensors[f"{name}/xy"], tensors[f"{name}/yy"], spec.get("anchor"))
         return stats
