@@ -248,3 +248,35 @@ def test_anchored_transfer_computes_the_layers_below_the_anchor_and_reads_the_st
         transfer(receiver, prompt, feats, mapper, split=1)
     with pytest.raises(ValueError, match="below every split"):
         collect_statistics(sender, receiver, [(texts[0], "q")], [1], progress=False, anchor=1)
+    small = collect_statistics(sender, receiver, [(texts[0], "q")], [2], progress=False, anchor=1, kv_until=2)
+    assert set(small.targets) == {"kv:1", "hidden:2"}  # what a split-2 transfer reads, nothing more
+
+
+def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(twins, tmp_path):
+    """End to end on tiny models: an anchored mapper is calibrated apart (``__a1``), keeps only the maps a split
+    transfer at 2 reads, is reused on the next call, and its transfers are evaluated and named ``split@2+a1``."""
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+    from cachecert_agents.eval.workloads import Example, HotpotQA
+
+    class Tiny(HotpotQA):
+        name = "tiny"
+
+        def examples(self, split=None, limit=None):
+            out = [Example(id=str(i), workload="tiny", context=c, instruction="where did the cat sit",
+                           references=["mat"], split="calibration" if i < 3 else "evaluation")
+                   for i, c in enumerate(CONTEXTS)]
+            return [e for e in out if split in (None, e.split)][:limit]
+
+    sender, receiver = twins
+    wl = Tiny()
+    mapper = build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path, anchor=1)
+    assert mapper.anchor == 1 and set(mapper.weights) == {"kv:1", "hidden:2"}
+    assert (tmp_path / "tiny-a__tiny-b__tiny__a1.json").exists()
+    again = build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path, anchor=1)
+    assert torch.equal(again.weights["hidden:2"], mapper.weights["hidden:2"])  # loaded, not refitted
+    with pytest.raises(ValueError, match="below every split"):
+        build_mapper(sender, receiver, wl, [1], n_contexts=2, n_heldout=1, out_dir=tmp_path, anchor=1)
+    records, full = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
+                                      progress=False, controls=False)
+    (row,) = summarise(records, full)
+    assert row["method"] == "split@2+a1" and row["n"] == 1

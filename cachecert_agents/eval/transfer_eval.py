@@ -103,7 +103,11 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     if anchor is not None:
         header["anchor"] = anchor
     expect = pair_fingerprints(header)
-    wanted = {f"hidden:{s}" for s in splits if 0 < s < receiver.geometry.num_layers}
+    L = receiver.geometry.num_layers
+    # an anchored mapper for split transfers only keeps the key/value maps those read (it is large)
+    kv_until = max(splits) if anchor is not None and L not in splits else None
+    wanted = ({f"hidden:{s}" for s in splits if 0 < s < L}
+              | {f"kv:{layer}" for layer in range(anchor or 0, kv_until or L)})
     if artifact_paths(stem)[1].exists() and not force:
         mapper = RidgeMapper.load(stem, expect=expect)
         if wanted <= set(mapper.header["targets"]) and mapper.header.get("n_calibration_contexts") == n_contexts:
@@ -114,13 +118,15 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     if len(cal) < n_contexts + n_heldout:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
                          f"{n_heldout} held out")
-    hidden_splits = sorted(int(t.split(":")[1]) for t in wanted)
+    hidden_splits = sorted(int(t.split(":")[1]) for t in wanted if t.startswith("hidden:"))
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
-                               hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor)
+                               hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor,
+                               kv_until=kv_until)
     stats.save(f"{stem}.stats")
     heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
                                                     cal[n_contexts:n_contexts + n_heldout]],
-                                 hidden_splits, header, total=n_heldout, hidden_width=hidden_width, anchor=anchor)
+                                 hidden_splits, header, total=n_heldout, hidden_width=hidden_width, anchor=anchor,
+                                 kv_until=kv_until)
     mapper = RidgeMapper.fit(stats, heldout)
     mapper.save(stem)
     logger.info("saved mapper %s", stem)

@@ -37,7 +37,7 @@ def pair_fingerprints(header: dict) -> dict:
 def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
                        splits: list[int], header: dict | None = None, width: int = 3,
                        progress: bool = True, total: int | None = None, hidden_width: int | None = None,
-                       anchor: int | None = None) -> PairStatistics:
+                       anchor: int | None = None, kv_until: int | None = None) -> PairStatistics:
     """Stream ``(context, instruction)`` pairs through both models and accumulate moments for every receiver
     layer's keys/values (``kv:l``) and the residual stream entering each split layer (``hidden:s``).
 
@@ -48,7 +48,9 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
     ``anchor`` ``a``: statistics of an anchored mapper. Every target's features end with the receiver's own
     normalised residual stream entering layer ``a`` (the receiver computes its layers below ``a`` itself at
     transfer time); the targets below the anchor (``kv:l``, ``l < a``; ``hidden:s``, ``s <= a``) are not
-    collected, since an anchored transfer computes them exactly."""
+    collected, since an anchored transfer computes them exactly. ``kv_until``: collect ``kv:l`` for ``l <
+    kv_until`` only (split transfers at or below it never read the layers above; they are the largest part of
+    the statistics' memory)."""
     stats = PairStatistics.empty(header or pair_header(sender, receiver))
     if anchor is not None:
         if not all(anchor < s for s in splits):
@@ -75,7 +77,7 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
 
         first = True
         for layer, y in enumerate(targets.kv):
-            if anchor and layer < anchor:
+            if (anchor and layer < anchor) or (kv_until is not None and layer >= kv_until):
                 continue
             layers, x = features_for(layer)
             stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor)
