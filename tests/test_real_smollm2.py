@@ -139,3 +139,29 @@ def test_middleware_on_a_real_model_reuses_transfers_and_audits(smollm2, tmp_pat
     # identical weights: the map is near-exact, so the served answer should agree with the full prefill
     assert record["agree"], (record["served_answer"], record["full_answer"])
     runtime.close()
+
+
+def test_anchored_split_transfer_on_the_real_model(smollm2):
+    """SmolLM2 -> itself through an anchored mapper (anchor 4, split 20) fitted on a few hundred tokens: the
+    receiver's own layers below the anchor are exact, and the answer still reads the context."""
+    from cachecert_agents.transfer.apply import transfer
+    from cachecert_agents.transfer.calibrate import collect_statistics
+    from cachecert_agents.transfer.features import sender_features
+    from cachecert_agents.transfer.mappers import RidgeMapper
+
+    sample = context_of_tokens(smollm2, 1200)
+    texts = [sample[i * len(sample) // 8:(i + 1) * len(sample) // 8] for i in range(8)]
+    stats = collect_statistics(smollm2, smollm2, [(t, "Summarise.") for t in texts], [20], progress=False,
+                               anchor=4, kv_until=20)
+    assert set(stats.targets) == {f"kv:{layer}" for layer in range(4, 20)} | {"hidden:20"}
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    prompt = smollm2.format_prompt("The secret code word is 'tangerine'. " + texts[0], "What is the secret code word?")
+    feats = sender_features(smollm2, prompt)
+    result = transfer(smollm2, prompt, feats, mapper, split=20)
+    start, end = prompt.context_span
+    exact = smollm2.prefill(prompt.input_ids[:end]).cache
+    for layer in range(4):
+        assert torch.allclose(result.cache.layers[layer].keys[:, :, start:end],
+                              exact.layers[layer].keys[:, :, start:end], atol=1e-4)
+    answer = smollm2.generate(prompt.suffix_ids, cache=result.cache, max_new_tokens=20)
+    assert "tangerine" in answer.text.lower()
