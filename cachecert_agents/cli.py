@@ -339,32 +339,38 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     from cachecert_agents.models.handle import ModelHandle
     from cachecert_agents.paths import cache_home
 
-    workload = get_workload(args.workload, data=args.data)
-    if args.all:
-        pairs = sorted({tuple(p.name.split("__")[:2]) for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
-                        if p.name.split("__")[2].startswith(f"{workload.name}.")})
-    elif args.pair:
-        pairs = [args.pair]
-    else:
+    workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
+    if args.retention_workload and len(workloads) > 1:
+        raise CacheCertError("--retention-workload takes one --workload (the index's calibration text)")
+    if not (args.all or args.pair):
         raise CacheCertError("give --pair SENDER:RECEIVER or --all")
     results = []
     receivers: dict[str, ModelHandle] = {}
-    for sender, receiver in pairs:
-        if receiver not in receivers:
-            receivers.clear()
-            receivers[receiver] = ModelHandle.load(receiver, device=args.device)
-        r = pair_cti(sender, receivers[receiver], workload, args.query_contexts)
-        if args.cosine_examples:
-            sender_handle = ModelHandle.load(sender, device=args.device)
-            r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver], workload,
-                                                                       args.cosine_examples)
-            del sender_handle
-        results.append(r)
-        if not args.json:
-            print(f"{sender}->{receiver} ({workload.name}): CTI {r['cti']:.3f}  mean deviation "
-                  f"{r['mean_deviation']:.4g}  worst layer {r['worst_layer']} ({r['worst_deviation']:.4g})  "
-                  f"baselines: R^2 {r['baselines']['r2']:.3f}, 1-residual {r['baselines']['residual_fraction']:.3f}"
-                  f"  splits: " + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
+    for workload in workloads:
+        if args.all:
+            pairs = sorted({tuple(p.name.split("__")[:2])
+                            for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
+                            if p.name.split("__")[2].startswith(f"{workload.name}.")})
+        else:
+            pairs = [args.pair]
+        for sender, receiver in pairs:
+            if receiver not in receivers:
+                receivers.clear()
+                receivers[receiver] = ModelHandle.load(receiver, device=args.device)
+            r = pair_cti(sender, receivers[receiver], workload, args.query_contexts)
+            if args.cosine_examples:
+                sender_handle = ModelHandle.load(sender, device=args.device)
+                r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
+                                                                           workload, args.cosine_examples)
+                del sender_handle
+            results.append(r)
+            if not args.json:
+                print(f"{sender}->{receiver} ({workload.name}): CTI {r['cti']:.3f}  mean deviation "
+                      f"{r['mean_deviation']:.4g}  worst layer {r['worst_layer']} ({r['worst_deviation']:.4g})  "
+                      f"baselines: R^2 {r['baselines']['r2']:.3f}, 1-residual "
+                      f"{r['baselines']['residual_fraction']:.3f}  splits: "
+                      + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
+    workload = workloads[0]
     payload: dict = {"pairs": results}
     if args.all or args.out:
         transfer_rows = json.loads(Path(args.transfer).read_text())["results"] if Path(args.transfer).exists() else []
@@ -795,7 +801,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cti", help="Cache Transferability Index of a pair (or --all) from its statistics")
     p.add_argument("--pair", type=_parse_pair, metavar="SENDER:RECEIVER")
     p.add_argument("--all", action="store_true", help="every pair with statistics for the workload")
-    p.add_argument("--workload", default="hotpotqa", help="whose calibration statistics to use")
+    p.add_argument("--workload", default="hotpotqa",
+                   help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")

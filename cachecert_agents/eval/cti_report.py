@@ -49,11 +49,11 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
                   f"text and correlated with retention measured on **{res['retention_workload']}**.", ""]
     lines += [
 
-             "| pair | statistics tokens | CTI (pure KV) | worst layer | R^2 baseline | 1 - residual | split CTIs | "
+             "| pair (statistics workload) | statistics tokens | CTI (pure KV) | worst layer | R^2 baseline | 1 - residual | split CTIs | "
              "cost: statistics pass / query pass / index (s) |", "|---|---|---|---|---|---|---|---|"]
     for p in pairs:
         c = p["cost"]
-        lines.append(f"| {p['sender']} -> {p['receiver']} | {p['n_tokens']} | {p['cti']:.3f} | {p['worst_layer']} | "
+        lines.append(f"| {p['sender']} -> {p['receiver']} ({p.get('workload', '-')}) | {p['n_tokens']} | {p['cti']:.3f} | {p['worst_layer']} | "
                      f"{p['baselines']['r2']:.3f} | {p['baselines']['residual_fraction']:.3f} | "
                      + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in p["splits"].items())
                      + f" | {f(c.get('statistics_pass_s'))} / {f(c.get('query_pass_s'))} / {f(c['index_s'])} |")
