@@ -10,14 +10,16 @@ from cachecert_agents.jsonl import append_jsonl as _append_jsonl, read_jsonl as 
 
 def _rec(i, method, score, agree, **kw):
     return {"id": str(i), "sender": "s", "receiver": "r", "workload": "w", "method": method, "answer": "a",
-            "score": score, "agree": agree, "prefill_s": 10.0, **kw}
+            "score": score, "agree": agree, **{"prefill_s": 10.0, **kw}}
 
 
 def test_summary_rows_compute_retention_agreement_and_savings():
-    full = [{"id": str(i), "score": 0.8, "prefill_s": 10.0 + i} for i in range(4)]
+    # the cached full-prefill reference was timed in another run: savings use each record's same-run prefill time
+    full = [{"id": str(i), "score": 0.8, "prefill_s": 99.0} for i in range(4)]
     records = []
     for i in range(4):
-        records.append(_rec(i, "split@7", 0.6 if i < 2 else 0.2, i < 3, split=7, num_layers=28, transfer_s=7.5 + i))
+        records.append(_rec(i, "split@7", 0.6 if i < 2 else 0.2, i < 3, split=7, num_layers=28, transfer_s=7.5 + i,
+                            prefill_s=10.0 + i, prefill_timed="same-run"))
         records.append(_rec(i, "no-context", 0.1, False))
         records.append(_rec(i, "sender", 0.3, False))
         records.append(_rec(i, "random-map", 0.05, False, split=28, num_layers=28, transfer_s=0.1))
@@ -28,7 +30,7 @@ def test_summary_rows_compute_retention_agreement_and_savings():
     assert row["agreement"] == pytest.approx(0.75) and row["unsafe_rate"] == pytest.approx(0.25)
     assert row["score_no_context"] == pytest.approx(0.1) and row["score_sender"] == pytest.approx(0.3)
     assert row["score_random_map"] == pytest.approx(0.05)
-    assert row["prefill_saved"] == pytest.approx(1 - 9.0 / 11.5)
+    assert row["prefill_saved"] == pytest.approx(1 - 9.0 / 11.5) and row["prefill_timing"] == "same run"
 
 
 def test_method_names():
@@ -74,3 +76,14 @@ def test_retention_interval_is_a_paired_bootstrap_around_the_ratio():
     rows = summarise([_rec(i, "split@7", 0.4, True, split=7, num_layers=28, transfer_s=1.0) for i in range(4)],
                      [{"id": str(i), "score": 0.8, "prefill_s": 2.0} for i in range(4)])
     assert rows[0]["retention_ci95"] == pytest.approx([0.5, 0.5])
+
+
+def test_transfer_report_marks_savings_not_timed_in_the_same_run(tmp_path):
+    from cachecert_agents.eval.report import transfer_markdown
+
+    base = {"sender": "s", "receiver": "r", "workload": "w", "n": 3, "retention": 0.8, "prefill_saved": 0.5}
+    rows = [dict(base, method="split@7", split=7, prefill_timing="same run"),
+            dict(base, method="ridge-kv", split=28)]
+    (tmp_path / "t.json").write_text(json.dumps({"command": "c", "date": "d", "results": rows}))
+    text = transfer_markdown(tmp_path / "t.json", tmp_path / "t.md").read_text()
+    assert text.count("0.500 †") == 1 and "| split@7 |" in text

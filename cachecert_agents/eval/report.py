@@ -30,11 +30,15 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
              "`retention` = score_transfer / score_full (`retention_ci95`: paired bootstrap over the examples, 2,000 "
              "resamples); `agreement` = share of answers that agree with the "
              "receiver's own full-prefill answer under the workload's criterion (no gold needed); "
-             "`prefill_saved` = 1 - median transfer time / median receiver context-prefill time, measured in one "
-             "run on this 2-core CPU machine.", "",
+             "`prefill_saved` = 1 - median transfer time / median receiver context-prefill time on this 2-core CPU "
+             "machine, both timed in the same run, except where marked †: there the receiver's prefill time is "
+             "the cached full-prefill reference's, possibly timed in another run under another load (rows "
+             "evaluated before same-run timing; `transfer_cost.json` measures both in one run).", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in sorted(rows, key=lambda r: (r["sender"], r["receiver"], r["workload"], r.get("split") or 0)):
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+        cells = [_fmt(r.get(c)) + (" †" if c == "prefill_saved" and r.get("prefill_timing") != "same run" else "")
+                 for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
     plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []
     if plots:
         lines += ["", "## Frontiers", ""]
