@@ -43,6 +43,7 @@ class LabelledRequests:
     transfer_s: np.ndarray
     pass_s: np.ndarray
     score_s: np.ndarray
+    same_run_timing: bool = True  # every request's prefill time was measured in the run of its transfer
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -75,7 +76,7 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
             sender, receiver, workload, method, int(recs[0]["split"]), [r["id"] for r in recs],
             {s: np.array([float(r["risk"][s]) for r in recs]) for s in SCORES},
             np.array([0.0 if r["agree"] else 1.0 for r in recs]), arr("prefill_s"), arr("transfer_s"),
-            arr("pass_s"), arr("score_s"))
+            arr("pass_s"), arr("score_s"), all(r.get("prefill_timed") == "same-run" for r in recs))
     return out
 
 
@@ -103,6 +104,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": float(served.mean()),
+                    "prefill_timing": "same run" if labelled.same_run_timing else "another run",
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
                 })
     return rows
@@ -157,7 +159,8 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
 def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc") -> list[dict]:
     """One row per (pair, workload, method) at one ``alpha``: the silent-failure rate (served and unsafe, as a
     fraction of all requests) when always transferring against the mean realised risk under each score's
-    certificate, the prefill each saves, and whether the geometry score saves the most (ties count for it).
+    certificate, the prefill each saves, and which score saves the most (a tie goes to the constant score: the
+    simplest rule that does as well).
     Scores infeasible on some splits are left out of the comparison."""
     out = []
     groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
@@ -168,11 +171,12 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
             continue
         r0 = next(iter(sel.values()))
         feasible = {s: r for s, r in sel.items() if r["n_infeasible"] == 0 and r["risk_mean"] is not None}
-        best = max(feasible, key=lambda s: (feasible[s]["prefill_saved"], s == "geometry"), default=None)
+        best = max(feasible, key=lambda s: (feasible[s]["prefill_saved"], s == "constant"), default=None)
         baselines = [r["prefill_saved"] for s, r in feasible.items() if s not in ("geometry", "constant")]
         out.append({
             "sender": key[0], "receiver": key[1], "workload": key[2], "method": key[3], "alpha": alpha,
             "control": control, "n_pool": r0["n_pool"], "n_cal": r0["n_cal"],
+            "prefill_timing": r0.get("prefill_timing", "another run"),
             "silent_failure_always_transfer": r0["unsafe_rate_always_transfer"],
             "prefill_saved_always_transfer": r0["prefill_saved_always_transfer"],
             "risk_mean": {s: r["risk_mean"] for s, r in feasible.items()},
@@ -201,7 +205,9 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "Silent failures = transfers served whose answer disagrees with full prefill, as a fraction of "
                   "all requests (the realised risk). Without certification every transfer is served. "
                   "Geometry vs best baseline = the geometry score's prefill saved minus the best of entropy and "
-                  "margin (positive: geometry saves more).", "",
+                  "margin (positive: geometry saves more). † = the requests' prefill times come from the cached "
+                  "full-prefill reference, possibly timed in another run under another load: those savings are "
+                  "not comparable (see transfer.md).", "",
                   "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
                   "score) | prefill saved: always -> certified | best score | geometry vs best baseline |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -211,6 +217,7 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                     f"{f(s['silent_failure_always_transfer'])} -> infeasible")
             saved = (f"{f(s['prefill_saved_always_transfer'])} -> {f(s['prefill_saved'][b])}" if b else
                      f"{f(s['prefill_saved_always_transfer'])} -> -")
+            saved += " †" if s["prefill_timing"] != "same run" else ""
             lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {s['method']} | {s['n_pool']} "
                          f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
                          f"{f(s['geometry_minus_best_baseline'])} |")
