@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from cachecert_agents.paths import cache_home
+from cachecert_agents.transfer.features import rms_normalise
 from cachecert_agents.transfer.mappers import RHO_GRID, ridge_solve
 from cachecert_agents.transfer.statistics import sender_layers_for
 
@@ -54,8 +55,7 @@ def features(f, spec: list) -> torch.Tensor:
             shift = True
             continue
         if isinstance(item, str) and item.startswith("anchor:"):
-            h = f.get_tensor(f"hidden:{item.split(':')[1]}").float()
-            parts.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+            parts.append(rms_normalise(f.get_tensor(f"hidden:{item.split(':')[1]}").float()))
             continue
         x = sender[item].float()
         if shift:

@@ -413,10 +413,10 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
     try:
         _, hidden_width, anchor = parse_method(args.method)
-        if anchor is not None:
-            raise ValueError("anchored methods (+aA) have no risk scores yet, so no certificate")
     except ValueError as err:
         raise CacheCertError(f"--method: {err}") from None
+    if anchor is not None:
+        raise CacheCertError("--method: anchored methods (+aA) have no risk scores yet, so no certificate")
     sender_name, receiver_name = args.pair
     results_dir = Path(args.results_dir)
     if Path(args.out).exists() and not args.force:
