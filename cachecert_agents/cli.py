@@ -301,6 +301,26 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
+    from cachecert_agents.eval.cti_cost import cti_cost
+
+    sender, receiver, workload = _load_pair(args)
+    splits = _parse_splits(args.splits, receiver.geometry.num_layers)
+    row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.query_contexts,
+                   args.propagation_contexts, args.n_calibration, eval_examples=args.eval_examples)
+    if args.out:
+        _merge_rows(args.out, [row], key=("sender", "receiver", "workload"))
+    if not args.json:
+        c, m = row["cti"], row["mapper_route"]
+        print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (statistics "
+              f"{c['statistics_pass_s']:.1f}, queries {c['query_pass_s']:.1f}, propagation "
+              f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {m['statistics_pass_s'] + "
+              f"m['heldout_pass_s'] + m['fit_s']:.1f} s + evaluation {m['eval_s_per_example']:.1f} s/example; "
+              "ratio " + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_to_mapper_route"].items()))
+    _emit(row, args.json)
+    return 0
+
+
 def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -333,7 +353,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cti_eval import correlate, pair_attention_cosine, pair_cti
+    from cachecert_agents.eval.cti_eval import correlate, cti_statistics, pair_attention_cosine, pair_cti
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -357,7 +377,13 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             if receiver not in receivers:
                 receivers.clear()
                 receivers[receiver] = ModelHandle.load(receiver, device=args.device)
-            r = pair_cti(sender, receivers[receiver], workload, args.query_contexts)
+            statistics = None
+            if args.statistics_contexts:
+                sender_handle = ModelHandle.load(sender, device=args.device)
+                statistics = cti_statistics(sender_handle, receivers[receiver], workload, args.statistics_contexts)
+                del sender_handle
+            r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
+                         statistics)
             if args.cosine_examples:
                 sender_handle = ModelHandle.load(sender, device=args.device)
                 r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
@@ -805,6 +831,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
+    p.add_argument("--statistics-contexts", type=int, default=None, metavar="K",
+                   help="collect the pair's statistics for the index on K calibration contexts (cached apart; no "
+                        "mapper fitted) instead of reading the mapper's from `cachecert calibrate`")
+    p.add_argument("--propagation-contexts", type=int, default=2,
+                   help="calibration contexts on which the receiver propagates each split's stream error (the split "
+                        "model; 0: the first-order model, no receiver forward)")
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
     p.add_argument("--retention-workload", help="correlate with retention measured on this workload instead "
                                                 "(the cross-workload check: index from --workload's calibration text)")
@@ -835,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_certify)
 
-    bench = sub.add_parser("bench", help="benchmarks: bench transfer-cost")
+    bench = sub.add_parser("bench", help="benchmarks: transfer-cost, cti-cost, agents")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("transfer-cost", help="transfer time vs receiver prefill time at fixed context lengths")
     _add_pair_args(p)
@@ -849,6 +881,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench_transfer_cost)
+
+    p = bsub.add_parser("cti-cost", help="time to compute the CTI vs time to fit a mapper and measure retention")
+    _add_pair_args(p)
+    p.add_argument("--statistics-contexts", type=int, default=4, help="calibration contexts of the CTI statistics")
+    p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts of the query pass")
+    p.add_argument("--propagation-contexts", type=int, default=2, help="calibration contexts of the propagation")
+    p.add_argument("--n-calibration", type=int, default=20, help="calibration contexts of the mapper (+4 held out)")
+    p.add_argument("--eval-examples", type=int, default=4, help="evaluation examples timed (then extrapolated)")
+    p.add_argument("--out", default="docs/results/cti_cost.json", help="merge the row into this file")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench_cti_cost)
 
     p = sub.add_parser("demo", help="the main end-to-end job: the report pipeline through the wrapper (see README)")
     _add_report_args(p, sets=3)

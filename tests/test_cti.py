@@ -198,3 +198,108 @@ def test_split_selection_ranks_a_pairs_methods_and_reports_the_pick(tmp_path):
     write_cti_report(payload, tmp_path / "cti.md", tmp_path / "plots", lambda *a: "")
     text = (tmp_path / "cti.md").read_text()
     assert "Picking a split from statistics alone" in text and "0.500 (split@4)" in text
+
+
+def _twins_and_stats(tiny_tokenizer, splits):
+    from cachecert_agents.transfer.calibrate import collect_statistics
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)  # different weights
+    gen = torch.Generator().manual_seed(0)
+    texts = [sender.tokenizer.decode(torch.randint(4, 320, (90,), generator=gen)) for _ in range(6)]
+    stats = collect_statistics(sender, receiver, [(t, "q") for t in texts], splits, progress=False)
+    return receiver, stats, texts
+
+
+def test_propagation_without_noise_reproduces_the_receivers_own_keys_and_values(tiny_tokenizer):
+    from cachecert_agents.cti.propagation import propagated_error_moments
+
+    receiver, _, texts = _twins_and_stats(tiny_tokenizer, [])
+    hidden = receiver.geometry.hidden_size
+    zero = torch.zeros(hidden, hidden, dtype=torch.float64)
+    moments, n_tokens, _ = propagated_error_moments(receiver, [(texts[0], "q")], {1: zero}, progress=False)
+    L = receiver.geometry.num_layers
+    assert sorted(moments[1]) == list(range(1, L)) and n_tokens > 0
+    assert all(float(m.abs().max()) < 1e-9 for m in moments[1].values())  # the stubs and masks are exact
+
+
+def test_propagated_error_scales_with_the_stream_noise_and_orders_splits(tiny_tokenizer):
+    from cachecert_agents.cti.index import compute_cti
+    from cachecert_agents.cti.propagation import propagated_error_moments
+
+    receiver, stats, texts = _twins_and_stats(tiny_tokenizer, [1])
+    hidden = receiver.geometry.hidden_size
+    eye = torch.eye(hidden, dtype=torch.float64)
+    small, _, _ = propagated_error_moments(receiver, [(texts[0], "q")], {1: 1e-6 * eye}, progress=False)
+    double, _, _ = propagated_error_moments(receiver, [(texts[0], "q")], {1: 4e-6 * eye}, progress=False)
+    ratio = torch.trace(double[1][1]) / torch.trace(small[1][1])
+    assert 3.6 < float(ratio) < 4.4  # same noise draw at twice the scale: first order, error energy x4
+
+    queries = collect_query_statistics(receiver, [(t, "q") for t in texts[:2]], progress=False)
+    first_order = compute_cti(stats, queries, receiver)
+    L = receiver.geometry.num_layers
+    assert first_order["splits"]["1"]["propagated"] is False
+    exact_stream = {1: {layer: torch.zeros_like(small[1][layer]) for layer in range(1, L)}}
+    res = compute_cti(stats, queries, receiver, propagated=exact_stream)
+    split = res["splits"]["1"]
+    mapped_layer0 = res["profile"][0]["deviation"]
+    assert split["propagated"] and math.isclose(split["predicted_deviation"], mapped_layer0 / L, rel_tol=1e-9)
+    assert split["cti_first_order"] == first_order["splits"]["1"]["cti"]
+    assert split["cti"] > res["cti"]  # an exact stream: only layer 0 is mapped, so the split beats pure KV
+
+
+def _tiny_workload():
+    from cachecert_agents.eval.workloads import Example, HotpotQA
+
+    texts = ["the cat sat on the mat and the dog ran in the park " * 3,
+             "a dog ran in the park where the cat sat on the mat " * 3,
+             "where did the cat sit the cat sat on the mat " * 3,
+             "the park had a dog and a cat and the mat " * 3,
+             "the mat was in the park and the cat sat there " * 3]
+
+    class Tiny(HotpotQA):
+        name = "tiny"
+
+        def examples(self, split=None, limit=None):
+            out = [Example(id=str(i), workload="tiny", context=c, instruction="where did the cat sit",
+                           references=["mat"], split="calibration" if i < 4 else "evaluation")
+                   for i, c in enumerate(texts)]
+            return [e for e in out if split in (None, e.split)][:limit]
+
+    return Tiny()
+
+
+def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, cache_home):
+    from cachecert_agents.eval.cti_eval import cti_statistics, pair_cti
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
+    wl = _tiny_workload()
+    stats, stem = cti_statistics(sender, receiver, wl, 2)
+    assert stats.header["n_calibration_contexts"] == 2 and stats.header["collect_s"] > 0
+    assert "hidden:1" in stats.targets  # round(0.25 L) with L = 3: the split model has a stream to propagate
+    again, _ = cti_statistics(sender, receiver, wl, 2)
+    assert torch.equal(again.targets["kv:0"].sum_y, stats.targets["kv:0"].sum_y)  # loaded from the cache
+    res = pair_cti("tiny-a", receiver, wl, n_query_contexts=2, n_propagation_contexts=1, statistics=(stats, stem))
+    assert res["statistics_contexts"] == 2 and res["splits"]["1"]["propagated"]
+    assert res["cost"]["propagation_pass_s"] > 0
+    cached = pair_cti("tiny-a", receiver, wl, n_query_contexts=2, n_propagation_contexts=1, statistics=(stats, stem))
+    assert cached["cost"]["propagation_pass_s"] is None and cached["splits"]["1"]["cti"] == res["splits"]["1"]["cti"]
+    with pytest.raises(FileNotFoundError, match="--statistics-contexts"):
+        pair_cti("tiny-a", receiver, wl, n_query_contexts=2)  # no mapper statistics from `calibrate`
+
+
+def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer):
+    from cachecert_agents.eval.cti_cost import cti_cost
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
+    row = cti_cost(sender, receiver, _tiny_workload(), [1], statistics_contexts=1, query_contexts=1,
+                   propagation_contexts=1, mapper_contexts=3, heldout_contexts=1, eval_examples=1,
+                   extrapolate_to=(10,))
+    c, m = row["cti"], row["mapper_route"]
+    assert c["total_s"] > 0 and m["eval_s"] > 0 and m["methods_evaluated"] == 2
+    assert 0 < row["ratio_cti_to_mapper_route"]["10"] < row["ratio_cti_to_mapper_route"]["1"]
+    assert set(c["split_cti"]) == {"1", str(receiver.geometry.num_layers)}
+    with pytest.raises(ValueError, match="needs 9"):
+        cti_cost(sender, receiver, _tiny_workload(), [1], mapper_contexts=5)

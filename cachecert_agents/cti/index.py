@@ -96,12 +96,19 @@ def _stream_relres_seen_by_layer(receiver: Any, s: int, res: torch.Tensor, cyy: 
     return float(torch.sum(p * (p @ res)) / torch.sum(p * (p @ cyy)))
 
 
-def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2) -> dict[str, Any]:
+def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2,
+                propagated: dict[int, dict[int, torch.Tensor]] | None = None) -> dict[str, Any]:
     """The index, its per-layer profile, split-layer predictions and the baselines for one pair (see the module
-    docstring). ``receiver`` is the receiver's :class:`ModelHandle` (geometry and ``W_O``)."""
+    docstring). ``receiver`` is the receiver's :class:`ModelHandle` (geometry and ``W_O``).
+
+    ``propagated[s][l]`` ``[2 Hk d, 2 Hk d]``, when given for a split ``s``, is the measured key/value error of
+    recomputed layer ``l >= s`` (:func:`cachecert_agents.cti.propagation.propagated_error_moments`); it replaces
+    the first-order charge ``r_s U_l`` there (which is still reported, as ``cti_first_order``)."""
     geo = receiver.geometry
     attn = receiver._attention_modules()
     layers: list[LayerTerms] = []
+    layer_args: dict[int, tuple] = {}
+    cyys: dict[int, torch.Tensor] = {}
     r2_num = r2_den = 0.0
     for layer in range(geo.num_layers):
         name = f"kv:{layer}"
@@ -112,6 +119,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
                 attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
                 geo.rope_for_layer(layer).rotary_dim)
+        layer_args[layer], cyys[layer] = args, cyy
         terms = layer_terms(layer, res, cyy, *args)
         terms.unit_deviation = layer_terms(layer, cyy, cyy, *args).deviation
         layers.append(terms)
@@ -130,10 +138,22 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
             res, cyy = schur_residual(stats, name, rho)
             raw_relres = float(torch.trace(res) / torch.trace(cyy))
             relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
-            pred = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
+            first_order = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
             frac = sum(t.residual_fraction if t.layer < s else relres for t in layers) / len(layers)
-            splits[s] = {"predicted_deviation": pred, "cti": -math.log10(max(pred, 1e-30)), "stream_relres": relres,
-                         "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac}
+            splits[s] = {"predicted_deviation": first_order, "cti": -math.log10(max(first_order, 1e-30)),
+                         "cti_first_order": -math.log10(max(first_order, 1e-30)), "stream_relres": relres,
+                         "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac, "propagated": False}
+            measured = (propagated or {}).get(s)
+            if measured:
+                recomputed = {t.layer: layer_terms(t.layer, measured[t.layer].double(), cyys[t.layer],
+                                                   *layer_args[t.layer]) for t in layers if t.layer >= s}
+                pred = sum(t.deviation if t.layer < s else recomputed[t.layer].deviation for t in layers) / len(layers)
+                splits[s].update(predicted_deviation=pred, cti=-math.log10(max(pred, 1e-30)), propagated=True,
+                                 recomputed_relres=sum(r.residual_fraction for r in recomputed.values())
+                                 / len(recomputed),
+                                 recomputed_profile=[{"layer": r.layer, "deviation": r.deviation,
+                                                      "residual_fraction": r.residual_fraction}
+                                                     for r in recomputed.values()])
     splits[L] = {"predicted_deviation": mean_dev, "cti": -math.log10(max(mean_dev, 1e-30)),
                  "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)}
     return {

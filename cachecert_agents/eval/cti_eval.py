@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from cachecert_agents.cti.index import compute_cti
+from cachecert_agents.cti.index import compute_cti, schur_residual
+from cachecert_agents.cti.propagation import propagated_error_moments
 from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
 from cachecert_agents.eval.transfer_eval import mapper_stem, parse_method
 from cachecert_agents.eval.workloads import Workload
@@ -61,21 +63,97 @@ def query_statistics(receiver: ModelHandle, workload: Workload, n_contexts: int 
     return stats, time.perf_counter() - t0
 
 
-def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8
+def propagation(stats: PairStatistics, stats_stem: str, receiver: ModelHandle, workload: Workload,
+                n_contexts: int) -> tuple[dict[int, dict[int, torch.Tensor]], float]:
+    """The measured propagation of each split's stream error through the receiver
+    (:func:`~cachecert_agents.cti.propagation.propagated_error_moments`) on ``n_contexts`` calibration contexts,
+    cached under ``$CACHECERT_HOME/cti`` and recomputed when the statistics file changes; returns the moments and
+    the seconds spent now (0 when cached)."""
+    from cachecert_agents.artifacts import artifact_paths, load_artifact, save_artifact
+    from cachecert_agents.cert.certificate import file_fingerprint
+
+    fmt = "cachecert-cti-propagation/1"
+    stats_fp = file_fingerprint(artifact_paths(stats_stem)[0])
+    cache = cache_home() / "cti" / f"{Path(stats_stem).name}.propagation"
+    expect = {"statistics_sha256": stats_fp, "n_contexts": n_contexts,
+              "receiver_kv": receiver.geometry.kv_fingerprint()}
+    if artifact_paths(cache)[1].exists():
+        try:
+            _, tensors = load_artifact(cache, fmt, expect, "propagation moments")
+        except ValueError:  # stale (other statistics or context count): recompute below
+            pass
+        else:
+            moments: dict[int, dict[int, torch.Tensor]] = {}
+            for key, t in tensors.items():
+                s, layer = (int(x) for x in key.split("/"))
+                moments.setdefault(s, {})[layer] = t
+            return moments, 0.0
+    residuals = {int(name.split(":")[1]): schur_residual(stats, name)[0] for name in stats.targets
+                 if name.startswith("hidden:")}
+    cal = workload.examples("calibration", limit=n_contexts)
+    moments, n_tokens, seconds = propagated_error_moments(receiver, [(e.context, e.instruction) for e in cal],
+                                                          residuals, total=len(cal))
+    save_artifact(cache, {f"{s}/{layer}": m for s, per in moments.items() for layer, m in per.items()},
+                  dict(expect, format=fmt, n_tokens=n_tokens, seconds=seconds, workload=workload.name))
+    return moments, seconds
+
+
+def cti_statistics(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
+                   split_fractions: tuple[float, ...] = (0.25, 0.5)) -> tuple[PairStatistics, str]:
+    """Pair statistics for the index alone, on the first ``n_contexts`` calibration contexts of ``workload``
+    (the stream at the receiver's layers ``round(f L)`` for the split model), cached under
+    ``$CACHECERT_HOME/cti``; the header's ``collect_s`` is the time of the pass that made them. Returns the
+    statistics and their artifact stem. A mapper is not fitted: the CTI needs moments, not a map."""
+    from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
+
+    stem = str(cache_home() / "cti" / f"{Path(mapper_stem(sender.name, receiver.name, workload.name)).name}"
+                                      f"__k{n_contexts}.stats")
+    header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
+    if Path(f"{stem}.json").exists():
+        stats = PairStatistics.load(stem, expect=pair_fingerprints(header))
+        if stats.header.get("n_calibration_contexts") == n_contexts:
+            return stats, stem
+    L = receiver.geometry.num_layers
+    splits = sorted({round(f * L) for f in split_fractions} - {0, L})
+    cal = workload.examples("calibration", limit=n_contexts)
+    if len(cal) < n_contexts:
+        raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts}")
+    stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal], splits, header,
+                               total=len(cal))
+    stats.save(stem)
+    return stats, stem
+
+
+def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8,
+             n_propagation_contexts: int = 2, statistics: tuple[PairStatistics, str] | None = None
              ) -> dict[str, Any]:
-    """The index of ``sender -> receiver`` from the statistics saved by ``cachecert calibrate`` for ``workload``,
-    with its cost: the statistics pass (recorded when it ran), the query pass and the index arithmetic."""
-    stem = mapper_stem(sender_name, receiver.name, workload.name)
-    if not Path(f"{stem}.stats.json").exists():
-        raise FileNotFoundError(f"no statistics for {sender_name}->{receiver.name} on {workload.name} at "
-                                f"{stem}.stats.*; run `cachecert calibrate --pair {sender_name}:{receiver.name} "
-                                f"--workload {workload.name}` first")
-    stats = PairStatistics.load(f"{stem}.stats", expect={"receiver_kv": receiver.geometry.kv_fingerprint()})
+    """The index of ``sender -> receiver`` with its cost: the statistics pass (recorded when it ran), the query
+    pass, the propagation pass of the split model (``n_propagation_contexts`` calibration contexts; 0 keeps the
+    first-order split model) and the index arithmetic.
+
+    ``statistics``: ``(stats, stem)`` from :func:`cti_statistics`; by default, the statistics saved by
+    ``cachecert calibrate`` for ``workload`` (the mapper's)."""
+    if statistics is not None:
+        stats, stats_stem = statistics
+    else:
+        stem = mapper_stem(sender_name, receiver.name, workload.name)
+        stats_stem = f"{stem}.stats"
+        if not Path(f"{stats_stem}.json").exists():
+            raise FileNotFoundError(f"no statistics for {sender_name}->{receiver.name} on {workload.name} at "
+                                    f"{stats_stem}.*; run `cachecert calibrate --pair {sender_name}:{receiver.name} "
+                                    f"--workload {workload.name}` first, or give --statistics-contexts")
+        stats = PairStatistics.load(stats_stem, expect={"receiver_kv": receiver.geometry.kv_fingerprint()})
     queries, query_s = query_statistics(receiver, workload, n_query_contexts)
+    has_splits = any(name.startswith("hidden:") for name in stats.targets)
+    moments, propagation_s = (propagation(stats, stats_stem, receiver, workload, n_propagation_contexts)
+                              if n_propagation_contexts and has_splits else (None, 0.0))
     t0 = time.perf_counter()
-    result = compute_cti(stats, queries, receiver)
+    result = compute_cti(stats, queries, receiver, propagated=moments)
     result["cost"] = {"index_s": time.perf_counter() - t0, "query_pass_s": query_s or None,
-                      "statistics_pass_s": stats.header.get("collect_s")}
+                      "statistics_pass_s": stats.header.get("collect_s"),
+                      "propagation_pass_s": propagation_s or None}
+    result["propagation_contexts"] = n_propagation_contexts if moments else 0
+    result["statistics_contexts"] = stats.header.get("n_calibration_contexts")
     result["workload"] = workload.name
     return result
 

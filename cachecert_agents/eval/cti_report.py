@@ -50,13 +50,18 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     lines += [
 
              "| pair (statistics workload) | statistics tokens | CTI (pure KV) | worst layer | R^2 baseline | 1 - residual | split CTIs | "
-             "cost: statistics pass / query pass / index (s) |", "|---|---|---|---|---|---|---|---|"]
+             "cost: statistics pass / query pass / propagation pass / index (s) |", "|---|---|---|---|---|---|---|---|"]
     for p in pairs:
         c = p["cost"]
         lines.append(f"| {p['sender']} -> {p['receiver']} ({p.get('workload', '-')}) | {p['n_tokens']} | {p['cti']:.3f} | {p['worst_layer']} | "
                      f"{p['baselines']['r2']:.3f} | {p['baselines']['residual_fraction']:.3f} | "
-                     + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in p["splits"].items())
-                     + f" | {f(c.get('statistics_pass_s'))} / {f(c.get('query_pass_s'))} / {f(c['index_s'])} |")
+                     + ", ".join(f"{s}: {v['cti']:.2f}" + (f" [{v['cti_first_order']:.2f}]" if v.get("propagated") else "")
+                                 for s, v in p["splits"].items())
+                     + f" | {f(c.get('statistics_pass_s'))} / {f(c.get('query_pass_s'))} / "
+                       f"{f(c.get('propagation_pass_s'))} / {f(c['index_s'])} |")
+    lines += ["", "Split CTIs: the split model with the stream error propagated through the receiver's own layers "
+              "(measured on calibration text); in brackets, the first-order model that charges every recomputed layer "
+              "the stream's relative error. A cost of '-' was not spent in this run (cached)."]
     if corr:
         lines += ["", "## Rank correlation with measured retention", "",
                   "| group | points | Spearman CTI | Spearman 1-residual | Spearman R^2 | Spearman attention-output "

@@ -46,7 +46,7 @@ class TransferResult:
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
 
 
-class _MappedLayer(torch.nn.Module):
+class MappedLayer(torch.nn.Module):
     """Stands in for a decoder layer: writes precomputed keys/values into the cache, passes hidden states on
     (or replaces them with ``output``: the mapped residual stream entering the split layer)."""
 
@@ -61,7 +61,7 @@ class _MappedLayer(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _replaced_layers(model: Any, replacements: dict[int, torch.nn.Module]) -> Iterator[None]:
+def replaced_layers(model: Any, replacements: dict[int, torch.nn.Module]) -> Iterator[None]:
     base = getattr(model, model.base_model_prefix, model)
     original = {i: base.layers[i] for i in replacements}
     try:
@@ -168,7 +168,7 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     elif anchor is not None:
         mapping = _AnchoredMapping(receiver, mapper, features, split, positions)
-        with _replaced_layers(receiver.model, {i: _AnchoredLayer(i, mapping) for i in range(anchor, split)}):
+        with replaced_layers(receiver.model, {i: _AnchoredLayer(i, mapping) for i in range(anchor, split)}):
             receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     else:
         stubs = {}
@@ -188,12 +188,12 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
                 k = apply_rope(k, cos, sin)
             else:
                 k, v = mapped_kv(receiver, mapper, features, layer, positions)
-            stubs[layer] = _MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
+            stubs[layer] = MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
         if split == geo.num_layers:
             for layer, stub in stubs.items():
                 cache.update(stub.keys, stub.values, layer)
         else:
-            with _replaced_layers(receiver.model, stubs):
+            with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features)
