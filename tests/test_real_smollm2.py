@@ -165,3 +165,27 @@ def test_anchored_split_transfer_on_the_real_model(smollm2):
                               exact.layers[layer].keys[:, :, start:end], atol=1e-4)
     answer = smollm2.generate(prompt.suffix_ids, cache=result.cache, max_new_tokens=20)
     assert "tangerine" in answer.text.lower()
+
+
+def test_cti_propagation_on_the_real_model(smollm2):
+    """The CTI's propagated split model on SmolLM2 -> itself: without noise the receiver's recomputed layers
+    reproduce its own keys/values (template prefix, masks and positions are right), and a stream error at layer
+    10 reaches every later layer with a finite, positive deviation that enters the split prediction."""
+    from cachecert_agents.cti.index import compute_cti, schur_residual
+    from cachecert_agents.cti.propagation import propagated_error_moments
+    from cachecert_agents.cti.queries import collect_query_statistics
+    from cachecert_agents.transfer.calibrate import collect_statistics
+
+    sample = context_of_tokens(smollm2, 900)
+    texts = [(sample[i * len(sample) // 3:(i + 1) * len(sample) // 3], "Summarise.") for i in range(3)]
+    L, hidden = smollm2.geometry.num_layers, smollm2.geometry.hidden_size
+    zero = torch.zeros(hidden, hidden, dtype=torch.float64)
+    exact, _, _ = propagated_error_moments(smollm2, texts[:1], {10: zero}, progress=False)
+    assert all(float(m.abs().max()) < 1e-8 for m in exact[10].values())
+    stats = collect_statistics(smollm2, smollm2, texts, [10], progress=False)
+    moments, _, _ = propagated_error_moments(smollm2, texts[:1], {10: schur_residual(stats, "hidden:10")[0]},
+                                             progress=False)
+    queries = collect_query_statistics(smollm2, texts[:2], progress=False)
+    split = compute_cti(stats, queries, smollm2, propagated=moments)["splits"]["10"]
+    assert split["propagated"] and len(split["recomputed_profile"]) == L - 10
+    assert all(0 < p["deviation"] < float("inf") for p in split["recomputed_profile"])

@@ -21,7 +21,11 @@ as layer ``s`` sees it, through its input norm gain and key/value projections ``
 be dominated by a few massive dimensions the norm removes). To first order each key and value of the recomputed
 layers inherits that relative error,
 ``Sres_l ~ r_s Cov(y_l)``, so they contribute ``r_s U_l`` with ``U_l`` the deviation ``D_l`` computed with
-``Sres = Cov(y_l)`` (linear in ``Sres``). The split prediction is ``mean_l`` over all layers, on the same scale as
+``Sres = Cov(y_l)`` (linear in ``Sres``): the *first-order* split model (``cti_first_order``). It over-charges the
+recomputed layers, which shrink the error they are fed. When the measured propagation is given
+(:mod:`cachecert_agents.cti.propagation`: the stream's Schur residual as Gaussian noise, carried through the
+receiver's own layers on calibration text), layer ``l >= s`` contributes ``D_l`` computed with that measured
+key/value error in place of ``Sres``. The split prediction is ``mean_l`` over all layers, on the same scale as
 the pure-KV index.
 
 Baselines on the same statistics: ``r2`` (calibration R^2 of the best linear map, pooled over K and V: error
