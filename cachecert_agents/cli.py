@@ -309,7 +309,12 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
     row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.query_contexts,
                    args.propagation_contexts, args.n_calibration, eval_examples=args.eval_examples)
     if args.out:
+        from pathlib import Path
+
+        from cachecert_agents.eval.cti_report import write_cti_cost_report
+
         _merge_rows(args.out, [row], key=("sender", "receiver", "workload"))
+        write_cti_cost_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"))
     if not args.json:
         c, m = row["cti"], row["mapper_route"]
         print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (statistics "

@@ -289,7 +289,7 @@ def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, 
         pair_cti("tiny-a", receiver, wl, n_query_contexts=2)  # no mapper statistics from `calibrate`
 
 
-def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer):
+def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
     from cachecert_agents.eval.cti_cost import cti_cost
 
     sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
@@ -301,5 +301,11 @@ def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer):
     assert c["total_s"] > 0 and m["eval_s"] > 0 and m["methods_evaluated"] == 2
     assert 0 < row["ratio_cti_to_mapper_route"]["10"] < row["ratio_cti_to_mapper_route"]["1"]
     assert set(c["split_cti"]) == {"1", str(receiver.geometry.num_layers)}
+    from cachecert_agents.eval.cti_report import write_cti_cost_report
+
+    write_cti_cost_report({"date": "d", "machine": "m", "results": [dict(row, command="cachecert bench cti-cost")]},
+                          tmp_path / "cti_cost.md")
+    text = (tmp_path / "cti_cost.md").read_text()
+    assert "at n=1, " in text and "n=10 (extrapolated)" in text and "tiny-a -> tiny-b" in text
     with pytest.raises(ValueError, match="needs 9"):
         cti_cost(sender, receiver, _tiny_workload(), [1], mapper_contexts=5)

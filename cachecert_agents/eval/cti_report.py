@@ -104,3 +104,28 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     lines += ["", f"![profiles](plots/{path.stem}_profiles.png)"] + (
         [f"![CTI vs retention](plots/{path.stem}_vs_retention.png)"] if points else [])
     path.write_text("\n".join(lines) + "\n")
+
+
+def write_cti_cost_report(payload: dict, path: Path) -> None:
+    """``cti_cost.md`` from ``cti_cost.json`` (rows of :func:`cachecert_agents.eval.cti_cost.cti_cost`)."""
+    rows = payload["results"]
+    lines = ["# What the CTI costs against fitting a mapper and measuring retention", "",
+             f"Date: {payload['date']}; machine: {payload['machine']}. Each row was timed in one run "
+             "(`cachecert bench cti-cost`, its command below); both routes start from scratch on the same loaded "
+             "models.", "",
+             "| pair | workload | CTI: statistics (contexts, tokens) / queries / propagation / index = total (s) | "
+             "mapper: statistics + held-out + fit (s) | evaluation (s per example, methods) | ratio CTI / mapper "
+             "route |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        c, m = r["cti"], r["mapper_route"]
+        ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
+                           for n, v in r["ratio_cti_to_mapper_route"].items())
+        lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {c['statistics_pass_s']:.0f} "
+                     f"({c['statistics_contexts']}, {c['statistics_tokens']}) / {c['query_pass_s']:.0f} / "
+                     f"{c['propagation_pass_s']:.0f} / {c['index_s']:.1f} = **{c['total_s']:.0f}** | "
+                     f"{m['statistics_pass_s']:.0f} + {m['heldout_pass_s']:.0f} + {m['fit_s']:.1f} | "
+                     f"{m['eval_s_per_example']:.1f} ({m['methods_evaluated']}) | {ratios} |")
+    lines += ["", "n = evaluation examples of the retention figure; the ones not timed extrapolate the measured "
+              "per-example time linearly (the evaluation is a loop over independent examples).", "",
+              "Commands:", ""] + [f"- `{r['command']}`" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
