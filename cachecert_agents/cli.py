@@ -317,11 +317,12 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
         write_cti_cost_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"))
     if not args.json:
         c, m = row["cti"], row["mapper_route"]
+        mapper_s = m["statistics_pass_s"] + m["heldout_pass_s"] + m["fit_s"]
+        ratios = ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_to_mapper_route"].items())
         print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (statistics "
               f"{c['statistics_pass_s']:.1f}, queries {c['query_pass_s']:.1f}, propagation "
-              f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {m['statistics_pass_s'] + "
-              f"m['heldout_pass_s'] + m['fit_s']:.1f} s + evaluation {m['eval_s_per_example']:.1f} s/example; "
-              "ratio " + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_to_mapper_route"].items()))
+              f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {mapper_s:.1f} s + evaluation "
+              f"{m['eval_s_per_example']:.1f} s/example; ratio {ratios}")
     _emit(row, args.json)
     return 0
 
