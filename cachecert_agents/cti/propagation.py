@@ -25,7 +25,7 @@ this assumption.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from tqdm.auto import tqdm

@@ -113,9 +113,9 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
              f"Date: {payload['date']}; machine: {payload['machine']}. Each row was timed in one run "
              "(`cachecert bench cti-cost`, its command below); both routes start from scratch on the same loaded "
              "models.", "",
-             "| pair | workload | CTI: statistics (contexts, tokens) / queries / propagation / index = total (s) | "
-             "mapper: statistics + held-out + fit (s) | evaluation (s per example, methods) | ratio CTI / mapper "
-             "route |", "|---|---|---|---|---|---|"]
+             ("| pair | workload | CTI: statistics (contexts, tokens) / queries / propagation / index = total (s) | "
+              "mapper: statistics + held-out + fit (s) | evaluation (s per example, methods) | ratio CTI / mapper "
+              "route |"), "|---|---|---|---|---|---|"]
     for r in rows:
         c, m = r["cti"], r["mapper_route"]
         ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
