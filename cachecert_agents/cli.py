@@ -383,18 +383,17 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             if receiver not in receivers:
                 receivers.clear()
                 receivers[receiver] = ModelHandle.load(receiver, device=args.device)
-            statistics = None
-            if args.statistics_contexts:
-                sender_handle = ModelHandle.load(sender, device=args.device)
-                statistics = cti_statistics(sender_handle, receivers[receiver], workload, args.statistics_contexts)
-                del sender_handle
+            # the sender runs only for a statistics pass of the index's own or the cosine baseline
+            sender_handle = (ModelHandle.load(sender, device=args.device)
+                             if args.statistics_contexts or args.cosine_examples else None)
+            statistics = (cti_statistics(sender_handle, receivers[receiver], workload, args.statistics_contexts)
+                          if args.statistics_contexts else None)
             r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
                          statistics)
             if args.cosine_examples:
-                sender_handle = ModelHandle.load(sender, device=args.device)
                 r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
                                                                            workload, args.cosine_examples)
-                del sender_handle
+            del sender_handle
             results.append(r)
             if not args.json:
                 print(f"{sender}->{receiver} ({workload.name}): CTI {r['cti']:.3f}  mean deviation "

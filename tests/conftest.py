@@ -78,3 +78,20 @@ def smollm2():
 
     registry.install("smollm2-135m", progress=False)
     return ModelHandle.load("smollm2-135m")
+
+
+def tiny_workload(contexts: list[str], n_calibration: int):
+    """A short-answer workload over ``contexts`` (the first ``n_calibration`` are its calibration split), every
+    question "where did the cat sit" with reference "mat"."""
+    from cachecert_agents.eval.workloads import Example, HotpotQA
+
+    class Tiny(HotpotQA):
+        name = "tiny"
+
+        def examples(self, split=None, limit=None):
+            out = [Example(id=str(i), workload="tiny", context=c, instruction="where did the cat sit",
+                           references=["mat"], split="calibration" if i < n_calibration else "evaluation")
+                   for i, c in enumerate(contexts)]
+            return [e for e in out if split in (None, e.split)][:limit]
+
+    return Tiny()

@@ -11,7 +11,7 @@ from cachecert_agents.cti.queries import attention_concentration, collect_query_
 from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.statistics import PairStatistics
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, tiny_workload
 
 
 def test_schur_residual_recovers_the_noise_covariance():
@@ -249,24 +249,11 @@ def test_propagated_error_scales_with_the_stream_noise_and_orders_splits(tiny_to
 
 
 def _tiny_workload():
-    from cachecert_agents.eval.workloads import Example, HotpotQA
-
-    texts = ["the cat sat on the mat and the dog ran in the park " * 3,
-             "a dog ran in the park where the cat sat on the mat " * 3,
-             "where did the cat sit the cat sat on the mat " * 3,
-             "the park had a dog and a cat and the mat " * 3,
-             "the mat was in the park and the cat sat there " * 3]
-
-    class Tiny(HotpotQA):
-        name = "tiny"
-
-        def examples(self, split=None, limit=None):
-            out = [Example(id=str(i), workload="tiny", context=c, instruction="where did the cat sit",
-                           references=["mat"], split="calibration" if i < 4 else "evaluation")
-                   for i, c in enumerate(texts)]
-            return [e for e in out if split in (None, e.split)][:limit]
-
-    return Tiny()
+    return tiny_workload(["the cat sat on the mat and the dog ran in the park " * 3,
+                          "a dog ran in the park where the cat sat on the mat " * 3,
+                          "where did the cat sit the cat sat on the mat " * 3,
+                          "the park had a dog and a cat and the mat " * 3,
+                          "the mat was in the park and the cat sat there " * 3], n_calibration=4)
 
 
 def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, cache_home):

@@ -10,7 +10,7 @@ from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
 from cachecert_agents.transfer.features import flatten_kv, sender_features, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper, heldout_r2, ridge_solve
 from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, tiny_workload
 
 
 def _synthetic_stats(w, b, n_chunks, seed, noise=0.0):
@@ -256,19 +256,9 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     """End to end on tiny models: an anchored mapper is calibrated apart (``__a1``), keeps only the maps a split
     transfer at 2 reads, is reused on the next call, and its transfers are evaluated and named ``split@2+a1``."""
     from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
-    from cachecert_agents.eval.workloads import Example, HotpotQA
-
-    class Tiny(HotpotQA):
-        name = "tiny"
-
-        def examples(self, split=None, limit=None):
-            out = [Example(id=str(i), workload="tiny", context=c, instruction="where did the cat sit",
-                           references=["mat"], split="calibration" if i < 3 else "evaluation")
-                   for i, c in enumerate(CONTEXTS)]
-            return [e for e in out if split in (None, e.split)][:limit]
 
     sender, receiver = twins
-    wl = Tiny()
+    wl = tiny_workload(CONTEXTS, n_calibration=3)
     mapper = build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert mapper.anchor == 1 and set(mapper.weights) == {"kv:1", "hidden:2"}
     assert (tmp_path / "tiny-a__tiny-b__tiny__a1.json").exists()

@@ -57,6 +57,13 @@ def schur_residual(stats: PairStatistics, name: str, rho: float = 1e-2) -> tuple
     return (res + res.T) / 2, cyy
 
 
+def stream_residuals(stats: PairStatistics, rho: float = 1e-2) -> dict[int, torch.Tensor]:
+    """``{s: Sres_H [hidden, hidden]}``: the Schur residual of every residual-stream target ``hidden:s`` in the
+    statistics (what :mod:`cachecert_agents.cti.propagation` propagates through the receiver)."""
+    return {int(name.split(":")[1]): schur_residual(stats, name, rho)[0] for name in stats.targets
+            if name.startswith("hidden:")}
+
+
 @dataclass
 class LayerTerms:
     """Per receiver layer: key term, value term, normaliser and deviation ``D``; plus the baselines' parts."""

@@ -56,7 +56,9 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
     if not splits:
         raise ValueError(f"no split layer in (0, {geo.num_layers}) among {sorted(stream_residuals)}")
     factors = {s: gaussian_sampler(stream_residuals[s].double()) for s in splits}
-    moments = {s: {layer: None for layer in range(s, geo.num_layers)} for s in splits}
+    width = 2 * geo.num_kv_heads * geo.head_dim
+    moments = {s: {layer: torch.zeros(width, width, dtype=torch.float64) for layer in range(s, geo.num_layers)}
+               for s in splits}
     gen = torch.Generator().manual_seed(seed)
     n_tokens = 0
     t0 = time.perf_counter()
@@ -82,8 +84,7 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
             for layer in range(s, geo.num_layers):
                 perturbed = flatten_kv(cap.key(layer), cap.value(layer))  # [n, 2 Hk d]
                 err = (perturbed.double() - clean.kv[layer].double()).cpu()
-                m = err.T @ err
-                moments[s][layer] = m if moments[s][layer] is None else moments[s][layer] + m
+                moments[s][layer] += err.T @ err
         n_tokens += n
     if n_tokens == 0:
         raise ValueError("no calibration contexts given")

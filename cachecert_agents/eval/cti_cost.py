@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachecert_agents.cti.index import compute_cti, schur_residual
+from cachecert_agents.cti.index import compute_cti, stream_residuals
 from cachecert_agents.cti.propagation import propagated_error_moments
 from cachecert_agents.cti.queries import collect_query_statistics
 from cachecert_agents.eval.transfer_eval import evaluate_transfer
@@ -56,9 +56,8 @@ def cti_cost(sender: ModelHandle, receiver: ModelHandle, workload: Workload, spl
                             dict(header, n_calibration_contexts=statistics_contexts), total=statistics_contexts)
     queries, query_s = _timed(collect_query_statistics, receiver, pairs[:query_contexts], workload.name,
                               total=query_contexts)
-    residuals = {s: schur_residual(stats, f"hidden:{s}")[0] for s in splits}
     (moments, _, _), propagation_s = _timed(propagated_error_moments, receiver, pairs[:propagation_contexts],
-                                            residuals, total=propagation_contexts)
+                                            stream_residuals(stats), total=propagation_contexts)
     index, index_s = _timed(compute_cti, stats, queries, receiver, propagated=moments)
     cti_s = stats_s + query_s + propagation_s + index_s
 

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cachecert_agents.cti.index import compute_cti, schur_residual
+from cachecert_agents.cti.index import compute_cti, stream_residuals
 from cachecert_agents.cti.propagation import propagated_error_moments
 from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
-from cachecert_agents.eval.transfer_eval import mapper_stem, parse_method
+from cachecert_agents.eval.transfer_eval import artifact_stem, mapper_stem, parse_method
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
@@ -88,11 +88,9 @@ def propagation(stats: PairStatistics, stats_stem: str, receiver: ModelHandle, w
                 s, layer = (int(x) for x in key.split("/"))
                 moments.setdefault(s, {})[layer] = t
             return moments, 0.0
-    residuals = {int(name.split(":")[1]): schur_residual(stats, name)[0] for name in stats.targets
-                 if name.startswith("hidden:")}
     cal = workload.examples("calibration", limit=n_contexts)
     moments, n_tokens, seconds = propagated_error_moments(receiver, [(e.context, e.instruction) for e in cal],
-                                                          residuals, total=len(cal))
+                                                          stream_residuals(stats), total=len(cal))
     save_artifact(cache, {f"{s}/{layer}": m for s, per in moments.items() for layer, m in per.items()},
                   dict(expect, format=fmt, n_tokens=n_tokens, seconds=seconds, workload=workload.name))
     return moments, seconds
@@ -106,13 +104,11 @@ def cti_statistics(sender: ModelHandle, receiver: ModelHandle, workload: Workloa
     statistics and their artifact stem. A mapper is not fitted: the CTI needs moments, not a map."""
     from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
 
-    stem = str(cache_home() / "cti" / f"{Path(mapper_stem(sender.name, receiver.name, workload.name)).name}"
+    stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}"
                                       f"__k{n_contexts}.stats")
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
-    if Path(f"{stem}.json").exists():
-        stats = PairStatistics.load(stem, expect=pair_fingerprints(header))
-        if stats.header.get("n_calibration_contexts") == n_contexts:
-            return stats, stem
+    if Path(f"{stem}.json").exists():  # the context count is in the name
+        return PairStatistics.load(stem, expect=pair_fingerprints(header)), stem
     L = receiver.geometry.num_layers
     splits = sorted({round(f * L) for f in split_fractions} - {0, L})
     cal = workload.examples("calibration", limit=n_contexts)
