@@ -435,7 +435,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     from cachecert_agents.artifacts import artifact_paths
     from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
     from cachecert_agents.cert.scores import score_definition
-    from cachecert_agents.eval.cert_eval import labelled_requests
+    from cachecert_agents.eval.cert_eval import labelled_requests, with_screens
     from cachecert_agents.eval.transfer_eval import (build_mapper, build_scorer, evaluate_transfer, mapper_stem,
                                                       parse_method)
     from cachecert_agents.transfer.calibrate import pair_fingerprints
@@ -448,24 +448,42 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         raise CacheCertError(f"--method: {err}") from None
     if anchor is not None:
         raise CacheCertError("--method: anchored methods (+aA) have no risk scores yet, so no certificate")
+    if args.screen is not None:
+        try:
+            _, screen_width, screen_anchor = parse_method(args.screen)
+        except ValueError as err:
+            raise CacheCertError(f"--screen: {err}") from None
+        if screen_anchor is not None or screen_width != hidden_width:
+            raise CacheCertError("--screen must use the served method's mapper (same +wW, no anchor)")
+        if args.screen == args.method:
+            raise CacheCertError("--screen names the served method itself; drop it")
     sender_name, receiver_name = args.pair
+    key = args.method if args.screen is None else f"{args.method}|screen:{args.screen}"
+
+    def labelled_pool():
+        """The labelled requests certified, and the screen's split (None without a screen)."""
+        pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload)
+        screen = pool.get(args.screen) if args.screen else None
+        labelled = (with_screens(pool, args.screen) if args.screen else pool).get(key)
+        return labelled, (screen.split if screen is not None else None)
+
     results_dir = Path(args.results_dir)
     if Path(args.out).exists() and not args.force:
         raise CacheCertError(f"{args.out} exists; pass --force to replace it (the old certificate is not kept)")
-    labelled = labelled_requests(results_dir, sender_name, receiver_name, args.workload).get(args.method)
+    labelled, screen_split = labelled_pool()
     if labelled is None or len(labelled) < args.n:
         have = 0 if labelled is None else len(labelled)
         if args.no_run:
             raise CacheCertError(f"{have} labelled requests for {sender_name}->{receiver_name} {args.workload} "
-                                 f"{args.method} in {results_dir}; --n asks for {args.n}. Run without --no-run, or "
+                                 f"{key} in {results_dir}; --n asks for {args.n}. Run without --no-run, or "
                                  f"`cachecert eval transfer` with risk scores")
         logger.info("%d labelled requests, %d asked: running the labelling evaluation", have, args.n)
         sender, receiver, workload = _load_pair(args)
-        split = parse_method(args.method, receiver.geometry.num_layers)[0]
-        mapper = build_mapper(sender, receiver, workload, [split], args.n_calibration, hidden_width=hidden_width)
-        evaluate_transfer(sender, receiver, workload, mapper, [split], args.n, results_dir,
+        splits = [parse_method(m, receiver.geometry.num_layers)[0] for m in (args.method, args.screen) if m]
+        mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=hidden_width)
+        evaluate_transfer(sender, receiver, workload, mapper, splits, args.n, results_dir,
                           scorer=build_scorer(sender, receiver, workload, mapper), controls=False)
-        labelled = labelled_requests(results_dir, sender_name, receiver_name, args.workload)[args.method]
+        labelled, screen_split = labelled_pool()
     stem = mapper_stem(sender_name, receiver_name, args.workload, hidden_width=hidden_width)
     st, js = artifact_paths(stem)
     if not st.exists():
@@ -476,7 +494,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
         sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),
         workload=args.workload, method=args.method, split=labelled.split, score=args.score,
-        score_definition=score_definition(args.score))
+        score_definition=score_definition(args.score), screen_method=args.screen,
+        screen_split=screen_split)
     cert.save(args.out, overwrite=args.force)
     summary = cert.model_dump()
     if not args.json:
@@ -491,7 +510,8 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     """Split validation of certification for one pair (or every labelled pair with --pair all)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cert_eval import labelled_requests, plot_certification, validate, write_markdown
+    from cachecert_agents.eval.cert_eval import (labelled_requests, plot_certification, validate, with_screens,
+                                                 write_markdown)
 
     results_dir = Path(args.results_dir)
     if args.pair == ("all", "all"):
@@ -503,7 +523,8 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     for sender, receiver, workload in keys:
         if args.workload != "all" and workload not in args.workload.split(","):
             continue
-        for method, labelled in labelled_requests(results_dir, sender, receiver, workload).items():
+        pool = labelled_requests(results_dir, sender, receiver, workload)
+        for method, labelled in (with_screens(pool, args.screen) if args.screen else pool).items():
             if len(labelled) < args.min_n:
                 logger.warning("%s->%s %s %s: %d labelled requests (< --min-n %d), skipped", sender, receiver,
                                workload, method, len(labelled), args.min_n)
@@ -729,6 +750,9 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--split", default="L", help="transfer method of the route: split layer, fraction, or L")
     p.add_argument("--alpha", type=float, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
+    p.add_argument("--screen", default=None, metavar="METHOD",
+                   help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "
+                        "--method only when the certificate accepts it")
     p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
     p.add_argument("--audit-probability", type=float, default=0.5)
     p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")
@@ -824,6 +848,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", type=int, default=500, help="random calibration/test splits")
     p.add_argument("--min-n", type=int, default=40, help="skip methods with fewer labelled requests")
     p.add_argument("--results-dir", default="docs/results/transfer", help="labelled requests (eval transfer JSONL)")
+    p.add_argument("--screen", default=None, metavar="METHOD",
+                   help="also validate every other method screened by METHOD's risk score (e.g. ridge-kv: the "
+                        "cheap transfer's score decides whether the expensive one runs)")
     p.add_argument("--out", default="docs/results/cert.json", help="merge rows here (and write cert.md beside)")
     p.add_argument("--plots", default="docs/results/plots")
     p.add_argument("--json", action="store_true")
@@ -860,6 +887,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
     p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv, split@K or split@K+wW")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
+    p.add_argument("--screen", default=None, metavar="METHOD",
+                   help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "
+                        "--method only when the certificate accepts it")
     p.add_argument("--alpha", type=float, required=True, help="risk budget: rate of unsafe transfers served")
     p.add_argument("--delta", type=float, default=None, help="LTT: the guarantee holds with probability 1-delta")
     p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")

@@ -52,7 +52,7 @@ def artifacts(pair, tmp_path):
     fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
 
     def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None,
-                    threshold: float | None = None) -> str:
+                    threshold: float | None = None, screen: bool = False) -> str:
         n = 50
         cert = build_certificate([str(i) for i in range(n)], np.linspace(0, 1, n), np.full(n, float(all_unsafe)),
                                  alpha=0.02 if all_unsafe else alpha, delta=None, sender="tiny-s", receiver="tiny-r",
@@ -63,6 +63,8 @@ def artifacts(pair, tmp_path):
                                  score_definition=score_definition("geometry"))
         if threshold is not None:
             cert = cert.model_copy(update={"threshold": threshold})
+        if screen:  # two-stage: scored on the pure-KV transfer, serving the split one
+            cert = cert.model_copy(update={"screen_method": "ridge-kv", "screen_split": receiver.geometry.num_layers})
         return str(cert.save(tmp_path / name, overwrite=True))
 
     return certificate
@@ -160,6 +162,32 @@ def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp
     text, decision = runtime.generate("tiny-r", CONTEXT, "write")
     assert decision.action == "prefill" and "refused" in decision.reason
     assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 1
+
+
+def test_a_screened_certificate_scores_the_cheap_transfer_and_serves_the_split_one(pair, artifacts, tmp_path):
+    from cachecert_agents.agents.store import text_key
+    from cachecert_agents.transfer.apply import transfer
+
+    sender, receiver = pair
+    runtime = make_runtime(pair, tmp_path, artifacts("screened.json", split=1, screen=True))
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "transfer" and decision.prefill_tokens_avoided > 0
+    route = runtime.route("tiny-s", "tiny-r")
+    (holder,) = runtime.store.holders(text_key(CONTEXT, None), exclude_model="tiny-r")
+    prompt = receiver.format_prompt(CONTEXT, "write")
+    L = receiver.geometry.num_layers
+    screen = transfer(receiver, prompt, holder.features, route.mapper, L)
+    scores, _, _ = route.scorer.scoring_pass(screen.cache, prompt.suffix_ids, prompt.context_span, L, screen.features)
+    assert decision.score == pytest.approx(scores["geometry"])  # scored on the screen transfer
+    served = transfer(receiver, prompt, holder.features, route.mapper, 1)
+    assert text == receiver.generate(prompt.suffix_ids, cache=served.cache, max_new_tokens=6).text  # split@1 answers
+
+    refusing = make_runtime(pair, tmp_path, artifacts("screened_refuse.json", split=1, screen=True, threshold=-1.0))
+    refusing.generate("tiny-s", CONTEXT, "outline")
+    text, decision = refusing.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "ridge-kv screen" in decision.reason
+    assert text == plain_answer(receiver, CONTEXT, "write")
 
 
 def test_a_certificate_that_accepts_nothing_is_not_even_tried(pair, artifacts, tmp_path):

@@ -80,6 +80,11 @@ def test_scoring_pass_scores_and_answers_like_plain_generation(tiny_pair):
         assert all(math.isfinite(v) for v in scores.values()) and scores["geometry"] > 0
         assert cost["pass_s"] > 0 and cost["score_s"] >= 0
         assert receiver.decode(out.cache, out.logits[-1], max_new_tokens=5).token_ids == plain.token_ids
+        cache = transfer(receiver, prompt, feats, mapper, split).cache  # a plain pass when geometry is not needed
+        light, out, _ = scorer.scoring_pass(cache, prompt.suffix_ids, prompt.context_span, split, feats,
+                                            geometry=False)
+        assert "geometry" not in light and light["entropy"] == pytest.approx(scores["entropy"], rel=1e-4)
+        assert receiver.decode(out.cache, out.logits[-1], max_new_tokens=5).token_ids == plain.token_ids
 
 
 def test_geometry_score_grows_with_the_mapper_error(tiny_pair):
@@ -183,3 +188,41 @@ def test_labelled_requests_and_split_validation(tmp_path):
     write_markdown([dict(r, command="cachecert eval cert x") for r in rows], "ignored", tmp_path / "cert.md")
     text = (tmp_path / "cert.md").read_text()
     assert "`cachecert eval cert x`" in text and "ignored" not in text and "## s -> r, w, ridge-kv" in text
+
+
+def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path):
+    """Two-stage transfers: the cheap transfer's score decides whether the expensive one runs, so a refusal costs
+    only the screen, and the label is the served transfer's."""
+    from cachecert_agents.eval.cert_eval import screened_requests, with_screens
+
+    rng = np.random.default_rng(2)
+    path = tmp_path / "s__r__w.jsonl"
+    for i in range(80):
+        hard = float(rng.uniform())
+        risk = lambda g: {"geometry": g, "entropy": g, "margin": g, "constant": 0.0, "version": SCORE_VERSION}  # noqa: E731
+        append_jsonl(path, {"id": str(i), "method": "ridge-kv", "split": 4, "agree": False, "prefill_s": 4.0,
+                            "transfer_s": 0.1, "pass_s": 0.2, "score_s": 0.05, "risk": risk(hard)})
+        if i % 10:  # the split transfer was not labelled on every request
+            append_jsonl(path, {"id": str(i), "method": "split@2", "split": 2, "agree": hard < 0.5,
+                                "prefill_s": 4.0, "transfer_s": 2.0, "pass_s": 0.2, "score_s": 0.05,
+                                "risk": risk(float(rng.uniform()))})
+    pool = labelled_requests(tmp_path, "s", "r", "w")
+    screened = with_screens(pool, "ridge-kv")["split@2|screen:ridge-kv"]
+    assert set(with_screens(pool, "ridge-kv")) == {"ridge-kv", "split@2", "split@2|screen:ridge-kv"}
+    assert len(screened) == 72 and screened.split == 2
+    by_id = {i: k for k, i in enumerate(pool["ridge-kv"].ids)}
+    for k, i in enumerate(screened.ids):  # scores from the screen, labels from the served transfer
+        assert screened.scores["entropy"][k] == pool["ridge-kv"].scores["entropy"][by_id[i]]
+        assert screened.unsafe[k] == pool["split@2"].unsafe[pool["split@2"].ids.index(i)]
+    served, refused = screened.gains("entropy")
+    np.testing.assert_allclose(served, 1 - (0.35 + 2.0) / 4.0)  # screen (0.1 + 0.2 + 0.05) + served transfer
+    np.testing.assert_allclose(refused, -0.35 / 4.0)  # a refusal costs the screen only
+    _, refused_alone = pool["split@2"].gains("entropy")
+    np.testing.assert_allclose(refused_alone, -(2.0 + 0.2 + 0.05) / 4.0)
+    np.testing.assert_allclose(screened.gains("constant")[0], 1 - 2.0 / 4.0)  # no screen needed to serve all
+    # the screen's score carries the served transfer's risk here: certification accepts and stays within alpha
+    rows = validate(screened, [0.2], splits=200, delta=None, scores=("entropy",))
+    assert rows[0]["method"] == "split@2|screen:ridge-kv" and rows[0]["accept_rate"] > 0.2
+    assert rows[0]["risk_mean"] <= 0.2 + 3 * rows[0]["risk_se"]
+    with pytest.raises(ValueError, match="screened"):
+        screened_requests(screened, pool["ridge-kv"])

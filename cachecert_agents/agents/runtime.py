@@ -6,7 +6,9 @@ For a model call ``(model, context, instruction)``:
 2. **transfer** — another model holds the context and a *route* exists for that (sender, receiver) pair (mapper,
    risk scorer, certificate, all checked against each other and the loaded models): the receiver's cache is
    built by the transfer, the request is scored in the suffix pass, and the answer is served iff the
-   certificate accepts the score; a refused score, a flagged pair, or any error falls through to
+   certificate accepts the score (a two-stage certificate scores a cheap *screen* transfer first and builds the
+   served, more expensive transfer only when that score is accepted); a refused score, a flagged pair, or any
+   error falls through to
 3. **prefill** — the model prefills the context itself; the exact cache (and, if the model is a sender of some
    route, its features) is kept in the store for later steps.
 
@@ -213,9 +215,9 @@ class CacheCertRuntime:
         stats = PairStatistics.load(cfg.statistics or f"{cfg.mapper}.stats", expect=fps)
         cert = Certificate.load(cfg.certificate)
         cert.check_for(fps, file_fingerprint(artifact_paths(cfg.mapper)[0]))
-        split = cert.split
-        if split < receiver.geometry.num_layers and f"hidden:{split}" not in mapper.weights:
-            raise ValueError(f"certificate is for split {split} but the mapper has no hidden:{split} target")
+        for split in {cert.split, cert.score_split}:
+            if split < receiver.geometry.num_layers and f"hidden:{split}" not in mapper.weights:
+                raise ValueError(f"certificate is for split {split} but the mapper has no hidden:{split} target")
         scorer = RiskScorer.from_statistics(receiver, mapper, stats)
         logger.info("route %s->%s ready: %s, %s score, %s alpha=%g lambda=%s (n=%d)", cfg.sender, cfg.receiver,
                     cert.method, cert.score, cert.control.upper(), cert.alpha, cert.threshold, cert.n)
@@ -295,18 +297,28 @@ class CacheCertRuntime:
                 continue
             try:
                 prefix_cache = self._prefix_cache(handle, prompt)
-                result = transfer(handle, prompt, holder.features, route.mapper, cert.split, prefix_cache=prefix_cache)
+                # the score is computed on the certificate's score transfer: the served one, or a cheaper screen
+                result = transfer(handle, prompt, holder.features, route.mapper, cert.score_split,
+                                  prefix_cache=prefix_cache)
                 scores, out, cost = route.scorer.scoring_pass(result.cache, prompt.suffix_ids, prompt.context_span,
-                                                              cert.split, result.features)
+                                                              cert.score_split, result.features,
+                                                              geometry=cert.score == "geometry")
                 score = scores[cert.score]
-                base = dict(sender=holder.model, score_name=cert.score, score=score, lam=cert.lam, alpha=cert.alpha,
-                            transfer_s=result.transfer_s + cost["pass_s"] + cost["score_s"])
+                spent_s = result.transfer_s + cost["pass_s"] + cost["score_s"]
                 if not cert.accepts(score):
                     with self._lock:
                         self.metrics.refused += 1
+                    on = f", on the {cert.screen_method} screen" if cert.screen_method else ""
                     reasons.append(f"certificate refused the transfer from {holder.model} (score {score:.4g} > "
-                                   f"lambda {cert.lam:.4g})")
+                                   f"lambda {cert.lam:.4g}{on})")
                     continue
+                if cert.screen_split is not None:  # accepted by the screen: now run the served transfer
+                    result = transfer(handle, prompt, holder.features, route.mapper, cert.split,
+                                      prefix_cache=prefix_cache)
+                    out = handle.forward(prompt.suffix_ids, cache=result.cache, logits_to_keep=1)
+                    spent_s += result.transfer_s
+                base = dict(sender=holder.model, score_name=cert.score, score=score, lam=cert.lam, alpha=cert.alpha,
+                            transfer_s=spent_s)
                 text = handle.decode(out.cache, out.logits[-1], **gen_kw).text
             except Exception as exc:  # fail safe: any error means a full prefill, with the reason logged
                 logger.warning("transfer %s->%s failed, falling back to prefill: %r", holder.model, handle.name, exc)

@@ -2,7 +2,8 @@
 
 A certificate is one JSON file (no tensors are needed: the rule is ``accept iff score <= lambda``) recording the
 pair and its fingerprints, the mapper it was calibrated with (sha256 of the mapper's tensors), the workload, the
-transfer method, the score definition, the guarantee (``crc``: expected rate of unsafe transfers served
+transfer method (and, for a two-stage transfer, the cheap *screen* method whose risk score decides whether the
+served method runs at all), the score definition, the guarantee (``crc``: expected rate of unsafe transfers served
 ``<= alpha``; ``ltt``: that rate ``<= alpha`` with probability ``>= 1 - delta``), ``n``, ``lambda``, a
 fingerprint of the labelled calibration requests, the date and the library version. Loading verifies the format
 and a checksum of the content, so a corrupt or hand-edited file is refused, not trusted.
@@ -67,6 +68,13 @@ class Certificate(BaseModel):
     calibration_fingerprint: str
     created: str
     library_version: str
+    screen_method: str | None = None  # two-stage: the score is computed on this transfer, run first
+    screen_split: int | None = None
+
+    @property
+    def score_split(self) -> int:
+        """The split of the transfer the score is computed on (the screen's, when there is one)."""
+        return self.split if self.screen_split is None else self.screen_split
 
     @property
     def lam(self) -> float:
@@ -136,8 +144,10 @@ def _checksum(body: dict) -> str:
 def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *, alpha: float,
                       delta: float | None, sender: str, receiver: str, pair_fingerprints: dict[str, str],
                       mapper_fingerprint: str, workload: str, method: str, split: int, score: str,
-                      score_definition: str) -> Certificate:
-    """Fit the threshold on labelled requests (CRC when ``delta`` is None, else LTT) and wrap it.
+                      score_definition: str, screen_method: str | None = None,
+                      screen_split: int | None = None) -> Certificate:
+    """Fit the threshold on labelled requests (CRC when ``delta`` is None, else LTT) and wrap it. For a two-stage
+    certificate, ``scores`` are the screen transfer's and ``unsafe`` the served (``method``) transfer's labels.
     Raises :class:`~cachecert_agents.cert.conformal.InfeasibleRiskError` when no threshold is certifiable."""
     scores, unsafe = np.asarray(scores, float), np.asarray(unsafe, float)
     fit: dict[str, Any] = fit_threshold(scores, unsafe, alpha, delta)
@@ -151,4 +161,4 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
         unsafe_rate_calibration=float(unsafe.mean()),
         calibration_fingerprint=calibration_fingerprint(ids, scores, unsafe),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__)
+        library_version=__version__, screen_method=screen_method, screen_split=screen_split)

@@ -173,8 +173,12 @@ class RiskScorer:
 
     @torch.inference_mode()
     def scoring_pass(self, cache: Any, suffix_ids: torch.Tensor, context_span: tuple[int, int], split: int,
-                     features: SenderFeatures | None = None) -> tuple[dict[str, float], ForwardOutput, dict]:
+                     features: SenderFeatures | None = None, geometry: bool = True
+                     ) -> tuple[dict[str, float], ForwardOutput, dict]:
         """Process ``suffix_ids`` ``[m]`` over the transferred ``cache`` (updated in place) and score it.
+
+        ``geometry=False`` skips the geometry score (no attention weights or queries are recorded, so the pass
+        is a plain one: what an ``entropy``/``margin``/``constant`` certificate needs).
 
         ``features`` are the sender's features already on the receiver's context tokens (needed for the
         stream term when ``0 < split < L``). Returns ``(scores, forward output, timings)``: ``pass_s`` is the
@@ -185,6 +189,12 @@ class RiskScorer:
         L = geo.num_layers
         mapped = [layer for layer in range(split) if layer in self.layers]
         t_pass = time.perf_counter()
+        if not geometry:
+            out = self.receiver.forward(suffix_ids, cache, logits_to_keep=1)
+            t0 = time.perf_counter()
+            scores = {"entropy": entropy_score(out.logits[-1]), "margin": margin_score(out.logits[-1]),
+                      "constant": 0.0, "version": SCORE_VERSION}
+            return scores, out, {"pass_s": t0 - t_pass, "score_s": time.perf_counter() - t0}
         with self.receiver.capture_qk(layers=mapped, queries=True, keys=False) as cap:
             out = self.receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
         t0 = time.perf_counter()

@@ -12,10 +12,16 @@ Prefill saved per request (fraction of the receiver's context prefill time, net 
 with ``overhead`` the whole recorded suffix pass plus the score arithmetic for ``geometry`` (conservative: a
 plain suffix pass is needed to answer anyway), the suffix pass only when refused for ``entropy``/``margin``
 (when served, that pass *is* the answer's first step), and 0 for ``constant``.
+
+**Screened** requests (:func:`screened_requests`, method ``"<method>|screen:<screen>"``) decide an expensive
+transfer (a split transfer, whose receiver repair costs a large part of a prefill) from the risk score of a cheap
+one (``ridge-kv``, mapping only) run first: the screen's transfer, suffix pass and scoring are paid either way
+(``screen_s``), the expensive transfer only when served. The label stays the served transfer's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,13 +50,16 @@ class LabelledRequests:
     pass_s: np.ndarray
     score_s: np.ndarray
     same_run_timing: bool = True  # every request's prefill time was measured in the run of its transfer
+    screen_s: np.ndarray | None = None  # screened requests: the screen's transfer + pass + scoring time
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def gains(self, score: str) -> tuple[np.ndarray, np.ndarray]:
         """Per-request prefill fraction saved if served / if refused (see the module docstring)."""
-        if score == "geometry":
+        if self.screen_s is not None and score != "constant":  # a constant score needs no screen
+            served_cost, refused_cost = self.screen_s + self.transfer_s, self.screen_s
+        elif score == "geometry":
             served_cost = refused_cost = self.transfer_s + self.pass_s + self.score_s
         elif score == "constant":
             served_cost = refused_cost = self.transfer_s
@@ -77,6 +86,43 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
             {s: np.array([float(r["risk"][s]) for r in recs]) for s in SCORES},
             np.array([0.0 if r["agree"] else 1.0 for r in recs]), arr("prefill_s"), arr("transfer_s"),
             arr("pass_s"), arr("score_s"), all(r.get("prefill_timed") == "same-run" for r in recs))
+    return out
+
+
+SCREEN_TAG = "|screen:"
+
+
+def screened_requests(target: LabelledRequests, screen: LabelledRequests) -> LabelledRequests:
+    """``target``'s requests (labels, transfer times) decided by ``screen``'s risk scores on the same requests
+    (see the module docstring). Only requests both hold are kept; the method is ``"<target>|screen:<screen>"``.
+
+    Validity: the score is still a fixed function of the request (the screen transfer is deterministic given the
+    sender's features), so CRC/LTT hold for the served transfer's unsafe rate as for any other score."""
+    if SCREEN_TAG in target.method or SCREEN_TAG in screen.method:
+        raise ValueError("a screen cannot itself be screened")
+    at = {i: k for k, i in enumerate(screen.ids)}
+    keep = [k for k, i in enumerate(target.ids) if i in at]
+    if not keep:
+        raise ValueError(f"{target.method} and {screen.method} share no labelled request")
+    j = [at[target.ids[k]] for k in keep]
+    return LabelledRequests(
+        target.sender, target.receiver, target.workload, f"{target.method}{SCREEN_TAG}{screen.method}",
+        target.split, [target.ids[k] for k in keep], {s: v[j] for s, v in screen.scores.items()},
+        target.unsafe[keep], target.prefill_s[keep], target.transfer_s[keep], screen.pass_s[j], screen.score_s[j],
+        target.same_run_timing and screen.same_run_timing,
+        screen_s=screen.transfer_s[j] + screen.pass_s[j] + screen.score_s[j])
+
+
+def with_screens(labelled: dict[str, LabelledRequests], screen: str) -> dict[str, LabelledRequests]:
+    """``labelled`` plus, for every other method, its requests screened by ``screen`` (when ``screen`` has
+    labelled requests)."""
+    if screen not in labelled:
+        return dict(labelled)
+    out = dict(labelled)
+    for method, target in labelled.items():
+        if method != screen:
+            screened = screened_requests(target, labelled[screen])
+            out[screened.method] = screened
     return out
 
 
@@ -123,7 +169,7 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
     groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
     for key in groups:
         sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
-        stem = "cert_" + "__".join(key).replace("/", "_").replace("@", "")
+        stem = re.sub(r"[^A-Za-z0-9._+-]", "_", "cert_" + "__".join(key).replace("@", ""))  # "|screen:" too
         crc_geo = [r for r in sel if r["control"] == "crc" and r["score"] == "geometry"]
         fig, axes = plt.subplots(1, len(crc_geo), figsize=(4 * len(crc_geo), 3), squeeze=False)
         for ax, r in zip(axes[0], crc_geo):
@@ -197,7 +243,10 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
              "",
              "Risk = rate of transfers served (score <= lambda) whose answer disagrees with full prefill, on the "
              "test half of each random split. Prefill saved is net of transfer and scoring cost, in fractions of "
-             "the receiver's context prefill time (a refused transfer costs its transfer and scoring time).", ""]
+             "the receiver's context prefill time (a refused transfer costs its transfer and scoring time). "
+             "A method `M|screen:S` is two-stage: the risk score is computed on the cheap transfer S (run first), "
+             "the transfer M runs and answers only when that score is accepted, and the label is M's answer; "
+             "a refusal costs S's transfer and scoring pass only.", ""]
     f = lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"  # noqa: E731
     summary = summarise_at_alpha(rows)
     if summary:
@@ -218,7 +267,8 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
             saved = (f"{f(s['prefill_saved_always_transfer'])} -> {f(s['prefill_saved'][b])}" if b else
                      f"{f(s['prefill_saved_always_transfer'])} -> -")
             saved += " †" if s["prefill_timing"] != "same run" else ""
-            lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {s['method']} | {s['n_pool']} "
+            method = s["method"].replace("|", "\\|")  # a screened method's name holds a pipe
+            lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {method} | {s['n_pool']} "
                          f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
                          f"{f(s['geometry_minus_best_baseline'])} |")
         lines.append("")
