@@ -87,6 +87,34 @@ def test_scoring_pass_scores_and_answers_like_plain_generation(tiny_pair):
         assert receiver.decode(out.cache, out.logits[-1], max_new_tokens=5).token_ids == plain.token_ids
 
 
+def test_context_attention_places_a_sliding_window_at_the_end():
+    from cachecert_agents.cert.scores import context_attention
+
+    full = torch.rand(2, 3, 20)  # 20 positions: prefix 0..3, context 4..16, suffix 17..19
+    np.testing.assert_array_equal(context_attention(full, (4, 17), 20), full[..., 4:17])
+    window = torch.rand(2, 3, 8)  # a sliding layer kept the last 8 positions: 12..19
+    ctx = context_attention(window, (4, 17), 20)
+    assert ctx.shape == (2, 3, 13)
+    np.testing.assert_array_equal(ctx[..., :8], 0)  # context tokens 4..11 fell out of the window
+    np.testing.assert_array_equal(ctx[..., 8:], window[..., :5])
+
+
+def test_geometry_score_on_a_sliding_window_receiver(tiny_tokenizer):
+    """Gemma 3 receivers: the suffix's sliding-window layers see only the window, not the whole context."""
+    sender = ModelHandle("tiny-s", tiny_model("llama", seed=1), tiny_tokenizer)
+    receiver = ModelHandle("tiny-g", tiny_model("gemma3", seed=2), tiny_tokenizer)
+    stats = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS], [1], progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    scorer = RiskScorer.from_statistics(receiver, mapper, stats)
+    prompt = receiver.format_prompt(CONTEXTS[1], "where did the cat sit")
+    assert prompt.context_ids.numel() > 2 * receiver.geometry.sliding_window
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[1], "where did the cat sit"))
+    for split in (1, receiver.geometry.num_layers):
+        cache = transfer(receiver, prompt, feats, mapper, split).cache
+        scores, _, _ = scorer.scoring_pass(cache, prompt.suffix_ids, prompt.context_span, split, feats)
+        assert math.isfinite(scores["geometry"]) and scores["geometry"] > 0
+
+
 def test_geometry_score_grows_with_the_mapper_error(tiny_pair):
     sender, receiver, stats, mapper = tiny_pair
     L = receiver.geometry.num_layers

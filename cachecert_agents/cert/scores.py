@@ -98,6 +98,16 @@ def kv_error_terms(res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, w
     return key_var, torch.stack(value_err), torch.stack(spread), torch.stack(energy)
 
 
+def context_attention(weights: torch.Tensor, span: tuple[int, int], total: int) -> torch.Tensor:
+    """The suffix queries' attention on the context tokens, ``[heads, m, end - start]``, from one layer's weights
+    ``[heads, m, k]`` over the ``k`` most recent of ``total`` positions. ``k < total`` on a sliding-window layer
+    (Gemma 3), whose cache keeps only the window: context tokens that fell out of it get weight 0."""
+    start, end = span
+    offset = total - weights.shape[-1]
+    kept = weights[..., max(start - offset, 0):max(end - offset, 0)]
+    return torch.nn.functional.pad(kept, (end - start - kept.shape[-1], 0))
+
+
 def entropy_score(logits: torch.Tensor) -> float:
     """Entropy (nats) of ``softmax(logits)``, ``logits`` ``[vocab]``."""
     logp = torch.log_softmax(logits.double(), -1)
@@ -199,7 +209,7 @@ class RiskScorer:
             out = self.receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
         t0 = time.perf_counter()
         t_pass = t0 - t_pass
-        start, end = context_span
+        total = context_span[1] + int(suffix_ids.numel())  # the cache held prefix + context before the pass
         scores = {"entropy": entropy_score(out.logits[-1]), "margin": margin_score(out.logits[-1]),
                   "constant": 0.0}
         group = geo.num_heads // geo.num_kv_heads
@@ -209,7 +219,7 @@ class RiskScorer:
             q = cap.query(layer)[0].float()  # [heads, m, d]
             key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
             key_err = ((q * q) * key_var).sum(-1) / geo.head_dim  # [heads, m]: E[ds^2] per query
-            a = out.attentions[layer][:, :, start:end].float()  # [heads, m, n_context]
+            a = context_attention(out.attentions[layer], context_span, total).float()  # [heads, m, n_context]
             concentration = (a * a).sum(-1)  # [heads, m]
             per_query = concentration * (key_err * g.spread + g.value_err[:, None])
             kv_terms.append(float(per_query.mean()) / max(g.energy, 1e-12))
@@ -218,7 +228,8 @@ class RiskScorer:
             st = self.streams[split]
             x = features.select(st.sender_layers).float().cpu() - st.mean  # [n_context, F]
             lev = ((x @ st.precision) * x).sum(-1) / st.dof  # [n_context]
-            abar = torch.stack([a[:, :, start:end].float().mean((0, 1)) for a in out.attentions[split:]]).mean(0)
+            abar = torch.stack([context_attention(a, context_span, total).float().mean((0, 1))
+                                for a in out.attentions[split:]]).mean(0)
             geometry += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())
         scores["geometry"] = geometry
         scores["version"] = SCORE_VERSION
