@@ -189,3 +189,43 @@ def test_cti_propagation_on_the_real_model(smollm2):
     split = compute_cti(stats, queries, smollm2, propagated=moments)["splits"]["10"]
     assert split["propagated"] and len(split["recomputed_profile"]) == L - 10
     assert all(0 < p["deviation"] < float("inf") for p in split["recomputed_profile"])
+
+
+def test_screened_certificate_on_the_real_model(smollm2, tmp_path):
+    """A two-stage route on real weights (SmolLM2 -> a twin handle): the entropy of the pure-KV screen transfer
+    decides, the split@4 transfer answers, and its answer reads the context like the full prefill does."""
+    import numpy as np
+
+    from cachecert_agents.agents.runtime import CacheCertRuntime, RouteConfig, RuntimeConfig
+    from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+    from cachecert_agents.cert.scores import score_definition
+    from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
+    from cachecert_agents.transfer.mappers import RidgeMapper
+
+    twin = ModelHandle("smollm2-twin", smollm2.model, smollm2.tokenizer)
+    sample = context_of_tokens(smollm2, 1200)
+    texts = [sample[i * len(sample) // 6:(i + 1) * len(sample) // 6] for i in range(6)]
+    stats = collect_statistics(smollm2, twin, [(t, "Summarise.") for t in texts], [4], progress=False)
+    RidgeMapper.fit(stats, rho=1e-1).save(tmp_path / "mapper")  # 1.2k tokens: a small rho overfits the stream map
+    stats.save(tmp_path / "mapper.stats")
+    L = twin.geometry.num_layers
+    cert = build_certificate([str(i) for i in range(40)], np.linspace(0, 5, 40), np.zeros(40), alpha=0.1,
+                             delta=None, sender=smollm2.name, receiver=twin.name,
+                             pair_fingerprints=pair_fingerprints(pair_header(smollm2, twin)),
+                             mapper_fingerprint=file_fingerprint(tmp_path / "mapper.safetensors"), workload="hotpotqa",
+                             method="split@4", split=4, score="entropy", score_definition=score_definition("entropy"),
+                             screen_method="ridge-kv", screen_split=L)
+    cert.save(tmp_path / "cert.json")
+    runtime = CacheCertRuntime(RuntimeConfig(
+        routes=[RouteConfig(sender=smollm2.name, receiver=twin.name, mapper=str(tmp_path / "mapper"),
+                            certificate=str(tmp_path / "cert.json"))],
+        audit_log=str(tmp_path / "audit.jsonl"), audit_probability=0.0, max_new_tokens=12),
+        models={smollm2.name: smollm2, twin.name: twin})
+    context = "The secret code word is 'tangerine'. " + texts[0]
+    runtime.generate(smollm2.name, context, "Summarise.")
+    text, decision = runtime.generate(twin.name, context, "What is the secret code word?")
+    assert decision.action == "transfer" and decision.score_name == "entropy" and decision.score is not None
+    assert decision.prefill_tokens_avoided == int(decision.context_tokens * 4 / L)
+    assert "tangerine" in text.lower()
+    runtime.close()
