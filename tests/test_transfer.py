@@ -112,8 +112,15 @@ def test_pure_kv_transfer_between_identical_models_equals_the_exact_cache(twins)
     assert torch.allclose(got, exact, atol=1e-3), (got - exact).abs().max()
 
 
-def test_split_zero_is_a_full_prefill(twins):
-    sender, receiver = twins
+@pytest.fixture(params=["llama", "gemma3"])
+def arch_twins(request, tiny_tokenizer):
+    """Identical-weight pairs of each attention layout (Gemma 3: sliding-window layers, window 8)."""
+    return (ModelHandle("tiny-a", tiny_model(request.param, seed=7), tiny_tokenizer),
+            ModelHandle("tiny-b", tiny_model(request.param, seed=7), tiny_tokenizer))
+
+
+def test_split_zero_is_a_full_prefill(arch_twins):
+    sender, receiver = arch_twins
     stats = collect_statistics(sender, receiver, [(c, "q") for c in CONTEXTS[:2]], [1], progress=False)
     mapper = RidgeMapper.fit(stats, rho=1e-2)
     prompt = receiver.format_prompt(CONTEXTS[3], "where did the cat sit")
