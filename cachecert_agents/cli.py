@@ -457,6 +457,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
             raise CacheCertError("--screen must use the served method's mapper (same +wW, no anchor)")
         if args.screen == args.method:
             raise CacheCertError("--screen names the served method itself; drop it")
+        if args.score == "constant":
+            raise CacheCertError("--screen with --score constant: a constant score needs no screen; drop it")
     sender_name, receiver_name = args.pair
     key = args.method if args.screen is None else f"{args.method}|screen:{args.screen}"
 
