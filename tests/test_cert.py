@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,14 +219,10 @@ def test_labelled_requests_and_split_validation(tmp_path):
     assert "`cachecert eval cert x`" in text and "ignored" not in text and "## s -> r, w, ridge-kv" in text
 
 
-def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path):
-    """Two-stage transfers: the cheap transfer's score decides whether the expensive one runs, so a refusal costs
-    only the screen, and the label is the served transfer's."""
-    from cachecert_agents.eval.cert_eval import screened_requests, with_screens
-
-    rng = np.random.default_rng(2)
-    path = tmp_path / "s__r__w.jsonl"
-    for i in range(80):
+def _write_screened_pool(path, n=80, seed=2):
+    """Labelled requests of ``ridge-kv`` (the cheap screen) and ``split@2`` (labels follow the screen's score)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
         hard = float(rng.uniform())
         risk = lambda g: {"geometry": g, "entropy": g, "margin": g, "constant": 0.0, "version": SCORE_VERSION}  # noqa: E731
         append_jsonl(path, {"id": str(i), "method": "ridge-kv", "split": 4, "agree": False, "prefill_s": 4.0,
@@ -234,6 +231,14 @@ def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path
             append_jsonl(path, {"id": str(i), "method": "split@2", "split": 2, "agree": hard < 0.5,
                                 "prefill_s": 4.0, "transfer_s": 2.0, "pass_s": 0.2, "score_s": 0.05,
                                 "risk": risk(float(rng.uniform()))})
+
+
+def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path):
+    """Two-stage transfers: the cheap transfer's score decides whether the expensive one runs, so a refusal costs
+    only the screen, and the label is the served transfer's."""
+    from cachecert_agents.eval.cert_eval import screened_requests, with_screens
+
+    _write_screened_pool(tmp_path / "s__r__w.jsonl")
     pool = labelled_requests(tmp_path, "s", "r", "w")
     screened = with_screens(pool, "ridge-kv")["split@2|screen:ridge-kv"]
     assert set(with_screens(pool, "ridge-kv")) == {"ridge-kv", "split@2", "split@2|screen:ridge-kv"}
@@ -254,3 +259,39 @@ def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path
     assert rows[0]["risk_mean"] <= 0.2 + 3 * rows[0]["risk_se"]
     with pytest.raises(ValueError, match="screened"):
         screened_requests(screened, pool["ridge-kv"])
+
+
+def test_eval_cert_and_certify_commands_with_a_screen(tmp_path, cache_home):
+    """The two commands end to end on labelled requests (no model runs): validation rows and plots for the
+    screened method, then a two-stage certificate bound to the pair's mapper."""
+    from safetensors.torch import save_file
+
+    from cachecert_agents.cli import main
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _write_screened_pool(results / "s__r__w.jsonl")
+    out, plots = tmp_path / "cert.json", tmp_path / "plots"
+    assert main(["eval", "cert", "--pair", "s:r", "--workload", "w", "--alpha", "0.1,0.2", "--splits", "50",
+                 "--min-n", "20", "--screen", "ridge-kv", "--results-dir", str(results), "--out", str(out),
+                 "--plots", str(plots)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["method"] for r in rows} == {"ridge-kv", "split@2", "split@2|screen:ridge-kv"}
+    assert "split@2\\|screen:ridge-kv" in out.with_suffix(".md").read_text()  # escaped in the summary table
+    assert all("|" not in p.name and ":" not in p.name for p in plots.iterdir())
+    stem = cache_home / "mappers" / "s__r__w"
+    stem.parent.mkdir(parents=True)
+    save_file({"w": torch.zeros(1)}, f"{stem}.safetensors")
+    Path(f"{stem}.json").write_text(json.dumps({k: k + "-fp" for k in ("sender_kv", "receiver_kv", "sender_tokenizer",
+                                                                        "receiver_tokenizer")}))
+    cert_path = tmp_path / "screened.json"
+    args = ["certify", "--pair", "s:r", "--workload", "w", "--method", "split@2", "--screen", "ridge-kv",
+            "--score", "entropy", "--alpha", "0.2", "--n", "72", "--no-run", "--results-dir", str(results),
+            "--out", str(cert_path)]
+    assert main(args) == 0
+    cert = Certificate.load(cert_path)
+    assert (cert.method, cert.split, cert.screen_method, cert.screen_split, cert.n) == ("split@2", 2, "ridge-kv", 4, 72)
+    assert cert.score_split == 4 and 0 < cert.accept_rate_calibration < 1
+    assert main(args) == 2  # never silently replaced
+    assert main(args[:-2] + ["--out", str(tmp_path / "x.json"), "--score", "constant"]) == 2
+    assert main(args[:-2] + ["--out", str(tmp_path / "x.json"), "--n", "100"]) == 2  # too few labels, --no-run
