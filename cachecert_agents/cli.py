@@ -752,9 +752,6 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--split", default="L", help="transfer method of the route: split layer, fraction, or L")
     p.add_argument("--alpha", type=float, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
-    p.add_argument("--screen", default=None, metavar="METHOD",
-                   help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "
-                        "--method only when the certificate accepts it")
     p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
     p.add_argument("--audit-probability", type=float, default=0.5)
     p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")
