@@ -15,7 +15,6 @@ import shlex
 import statistics
 import sys
 import time
-
 from pathlib import Path
 
 from cachecert_agents.cli import write_json_atomic

@@ -435,7 +435,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     from cachecert_agents.artifacts import artifact_paths
     from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
     from cachecert_agents.cert.scores import score_definition
-    from cachecert_agents.eval.cert_eval import labelled_requests, with_screens
+    from cachecert_agents.eval.cert_eval import labelled_requests, screened_requests
     from cachecert_agents.eval.transfer_eval import (build_mapper, build_scorer, evaluate_transfer, mapper_stem,
                                                       parse_method)
     from cachecert_agents.transfer.calibrate import pair_fingerprints
@@ -461,15 +461,16 @@ def _cmd_certify(args: argparse.Namespace) -> int:
             raise CacheCertError("--screen with --score constant: a constant score needs no screen; drop it")
     sender_name, receiver_name = args.pair
     key = args.method if args.screen is None else f"{args.method}|screen:{args.screen}"
+    results_dir = Path(args.results_dir)
 
     def labelled_pool():
-        """The labelled requests certified, and the screen's split (None without a screen)."""
+        """The labelled requests certified (None when missing), and the screen's split (None without one)."""
         pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload)
-        screen = pool.get(args.screen) if args.screen else None
-        labelled = (with_screens(pool, args.screen) if args.screen else pool).get(key)
-        return labelled, (screen.split if screen is not None else None)
+        target, screen = pool.get(args.method), pool.get(args.screen) if args.screen else None
+        if args.screen is None or target is None or screen is None:
+            return (target if args.screen is None else None), None
+        return screened_requests(target, screen), screen.split
 
-    results_dir = Path(args.results_dir)
     if Path(args.out).exists() and not args.force:
         raise CacheCertError(f"{args.out} exists; pass --force to replace it (the old certificate is not kept)")
     labelled, screen_split = labelled_pool()

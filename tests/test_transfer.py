@@ -87,11 +87,16 @@ CONTEXTS = ["the cat sat on the mat and the dog ran in the park " * 3,
             "the park had a dog and a cat and the mat " * 3]
 
 
+def _twins(arch: str, tokenizer) -> tuple[ModelHandle, ModelHandle]:
+    """Sender and receiver with identical weights."""
+    return (ModelHandle("tiny-a", tiny_model(arch, seed=7), tokenizer),
+            ModelHandle("tiny-b", tiny_model(arch, seed=7), tokenizer))
+
+
 @pytest.fixture
 def twins(tiny_tokenizer):
-    """Sender and receiver with identical weights (tiny llama)."""
-    return (ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer),
-            ModelHandle("tiny-b", tiny_model("llama", seed=7), tiny_tokenizer))
+    """Identical-weight tiny llamas."""
+    return _twins("llama", tiny_tokenizer)
 
 
 def test_pure_kv_transfer_between_identical_models_equals_the_exact_cache(twins):
@@ -115,8 +120,7 @@ def test_pure_kv_transfer_between_identical_models_equals_the_exact_cache(twins)
 @pytest.fixture(params=["llama", "gemma3"])
 def arch_twins(request, tiny_tokenizer):
     """Identical-weight pairs of each attention layout (Gemma 3: sliding-window layers, window 8)."""
-    return (ModelHandle("tiny-a", tiny_model(request.param, seed=7), tiny_tokenizer),
-            ModelHandle("tiny-b", tiny_model(request.param, seed=7), tiny_tokenizer))
+    return _twins(request.param, tiny_tokenizer)
 
 
 def test_split_zero_is_a_full_prefill(arch_twins):

@@ -30,6 +30,7 @@ Scores (:data:`SCORES`):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -195,23 +196,27 @@ class RiskScorer:
         whole recorded suffix pass (a plain pass is needed anyway to answer), ``score_s`` the score arithmetic
         after it. The forward output's last logits seed :meth:`ModelHandle.decode`.
         """
-        geo = self.receiver.geometry
-        L = geo.num_layers
         mapped = [layer for layer in range(split) if layer in self.layers]
         t_pass = time.perf_counter()
-        if not geometry:
-            out = self.receiver.forward(suffix_ids, cache, logits_to_keep=1)
-            t0 = time.perf_counter()
-            scores = {"entropy": entropy_score(out.logits[-1]), "margin": margin_score(out.logits[-1]),
-                      "constant": 0.0, "version": SCORE_VERSION}
-            return scores, out, {"pass_s": t0 - t_pass, "score_s": time.perf_counter() - t0}
-        with self.receiver.capture_qk(layers=mapped, queries=True, keys=False) as cap:
-            out = self.receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
+        capture = (self.receiver.capture_qk(layers=mapped, queries=True, keys=False) if geometry
+                   else contextlib.nullcontext())
+        with capture as cap:
+            out = self.receiver.forward(suffix_ids, cache, output_attentions=geometry, logits_to_keep=1)
         t0 = time.perf_counter()
-        t_pass = t0 - t_pass
-        total = context_span[1] + int(suffix_ids.numel())  # the cache held prefix + context before the pass
         scores = {"entropy": entropy_score(out.logits[-1]), "margin": margin_score(out.logits[-1]),
                   "constant": 0.0}
+        if geometry:
+            total = context_span[1] + int(suffix_ids.numel())  # the cache held prefix + context before the pass
+            scores["geometry"] = self._geometry(cap, out.attentions, mapped, split, context_span, total, features)
+        scores["version"] = SCORE_VERSION
+        return scores, out, {"pass_s": t0 - t_pass, "score_s": time.perf_counter() - t0}
+
+    def _geometry(self, cap: Any, attentions: tuple[torch.Tensor, ...], mapped: list[int], split: int,
+                  context_span: tuple[int, int], total: int, features: SenderFeatures | None) -> float:
+        """The geometry score from the suffix pass's recorded queries (``cap``) and attention weights
+        (``attentions[l]`` ``[heads, m, k_l]`` over the ``k_l`` most recent of ``total`` positions)."""
+        geo = self.receiver.geometry
+        L = geo.num_layers
         group = geo.num_heads // geo.num_kv_heads
         kv_terms = []
         for layer in mapped:
@@ -219,18 +224,16 @@ class RiskScorer:
             q = cap.query(layer)[0].float()  # [heads, m, d]
             key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
             key_err = ((q * q) * key_var).sum(-1) / geo.head_dim  # [heads, m]: E[ds^2] per query
-            a = context_attention(out.attentions[layer], context_span, total).float()  # [heads, m, n_context]
+            a = context_attention(attentions[layer], context_span, total).float()  # [heads, m, n_context]
             concentration = (a * a).sum(-1)  # [heads, m]
             per_query = concentration * (key_err * g.spread + g.value_err[:, None])
             kv_terms.append(float(per_query.mean()) / max(g.energy, 1e-12))
-        geometry = (split / L) * (sum(kv_terms) / len(kv_terms)) if kv_terms else 0.0
+        score = (split / L) * (sum(kv_terms) / len(kv_terms)) if kv_terms else 0.0
         if 0 < split < L and split in self.streams and features is not None:
             st = self.streams[split]
             x = features.select(st.sender_layers).float().cpu() - st.mean  # [n_context, F]
             lev = ((x @ st.precision) * x).sum(-1) / st.dof  # [n_context]
             abar = torch.stack([context_attention(a, context_span, total).float().mean((0, 1))
-                                for a in out.attentions[split:]]).mean(0)
-            geometry += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())
-        scores["geometry"] = geometry
-        scores["version"] = SCORE_VERSION
-        return scores, out, {"pass_s": t_pass, "score_s": time.perf_counter() - t0}
+                                for a in attentions[split:]]).mean(0)
+            score += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())
+        return score

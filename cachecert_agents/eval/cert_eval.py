@@ -116,13 +116,12 @@ def screened_requests(target: LabelledRequests, screen: LabelledRequests) -> Lab
 def with_screens(labelled: dict[str, LabelledRequests], screen: str) -> dict[str, LabelledRequests]:
     """``labelled`` plus, for every other method, its requests screened by ``screen`` (when ``screen`` has
     labelled requests)."""
-    if screen not in labelled:
-        return dict(labelled)
     out = dict(labelled)
-    for method, target in labelled.items():
-        if method != screen:
-            screened = screened_requests(target, labelled[screen])
-            out[screened.method] = screened
+    if screen in labelled:
+        for method, target in labelled.items():
+            if method != screen:
+                screened = screened_requests(target, labelled[screen])
+                out[screened.method] = screened
     return out
 
 
