@@ -306,8 +306,8 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
 
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
-    row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.query_contexts,
-                   args.propagation_contexts, args.n_calibration, eval_examples=args.eval_examples)
+    row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.propagation_contexts,
+                   args.n_calibration, eval_examples=args.eval_examples)
     if args.out:
         from pathlib import Path
 
@@ -319,8 +319,8 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
         c, m = row["cti"], row["mapper_route"]
         mapper_s = m["statistics_pass_s"] + m["heldout_pass_s"] + m["fit_s"]
         ratios = ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_to_mapper_route"].items())
-        print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (statistics "
-              f"{c['statistics_pass_s']:.1f}, queries {c['query_pass_s']:.1f}, propagation "
+        print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (single pass "
+              f"{c['single_pass_s']:.1f}, propagation "
               f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {mapper_s:.1f} s + evaluation "
               f"{m['eval_s_per_example']:.1f} s/example; ratio {ratios}")
     _emit(row, args.json)
@@ -359,7 +359,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cti_eval import correlate, cti_statistics, pair_attention_cosine, pair_cti
+    from cachecert_agents.eval.cti_eval import correlate, pair_attention_cosine, pair_cti, small_cti_inputs
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -386,10 +386,10 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             # the sender runs only for a statistics pass of the index's own or the cosine baseline
             sender_handle = (ModelHandle.load(sender, device=args.device)
                              if args.statistics_contexts or args.cosine_examples else None)
-            statistics = (cti_statistics(sender_handle, receivers[receiver], workload, args.statistics_contexts)
-                          if args.statistics_contexts else None)
+            inputs = (small_cti_inputs(sender_handle, receivers[receiver], workload, args.statistics_contexts,
+                                       args.propagation_contexts) if args.statistics_contexts else None)
             r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
-                         statistics)
+                         inputs)
             if args.cosine_examples:
                 r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
                                                                            workload, args.cosine_examples)
@@ -862,10 +862,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="hotpotqa",
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts for the query statistics")
+    p.add_argument("--query-contexts", type=int, default=8,
+                   help="calibration contexts for the query statistics (with the mapper's statistics; "
+                        "--statistics-contexts takes them from its own pass)")
     p.add_argument("--statistics-contexts", type=int, default=None, metavar="K",
-                   help="collect the pair's statistics for the index on K calibration contexts (cached apart; no "
-                        "mapper fitted) instead of reading the mapper's from `cachecert calibrate`")
+                   help="collect the pair's statistics and the receiver's query statistics for the index in one pass "
+                        "over K calibration contexts (cached apart; no mapper fitted) instead of reading the mapper's "
+                        "from `cachecert calibrate`")
     p.add_argument("--propagation-contexts", type=int, default=2,
                    help="calibration contexts on which the receiver propagates each split's stream error (the split "
                         "model; 0: the first-order model, no receiver forward)")
@@ -919,8 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bsub.add_parser("cti-cost", help="time to compute the CTI vs time to fit a mapper and measure retention")
     _add_pair_args(p)
-    p.add_argument("--statistics-contexts", type=int, default=4, help="calibration contexts of the CTI statistics")
-    p.add_argument("--query-contexts", type=int, default=8, help="calibration contexts of the query pass")
+    p.add_argument("--statistics-contexts", type=int, default=4,
+                   help="calibration contexts of the CTI's single pass (statistics and query statistics)")
     p.add_argument("--propagation-contexts", type=int, default=2, help="calibration contexts of the propagation")
     p.add_argument("--n-calibration", type=int, default=20, help="calibration contexts of the mapper (+4 held out)")
     p.add_argument("--eval-examples", type=int, default=4, help="evaluation examples timed (then extrapolated)")

@@ -25,11 +25,42 @@ def test_schur_residual_recovers_the_noise_covariance():
         y = x @ w + torch.randn(n // 8, dim, generator=gen, dtype=torch.float64) * noise_scale
         stats.add("kv:0", [0], x, y, count_tokens=True)
         stats.end_context()
-    res, cyy = schur_residual(stats, "kv:0", rho=1e-8)
+    res, cyy, dof = schur_residual(stats, "kv:0", rho=1e-8)
+    assert dof == pytest.approx(f, rel=1e-6)  # no effective shrinkage at this rho
     assert torch.allclose(torch.diagonal(res), noise_scale ** 2, rtol=0.05)
     assert torch.allclose(res - torch.diag(torch.diagonal(res)), torch.zeros(dim, dim, dtype=torch.float64), atol=0.03)
     # closed form: Syy = W^T W + diag(noise^2) for standard normal x
     assert torch.allclose(cyy, w.T @ w + torch.diag(noise_scale ** 2), rtol=0.05, atol=0.1)
+
+
+def test_gcv_inflated_residual_predicts_the_fitted_maps_error_on_new_tokens():
+    """With as many features as a tenth of the tokens the calibration residual is optimistic by about dof/n; the
+    GCV-inflated one matches the error the fitted map makes on fresh tokens (and its inflation, on a few contexts
+    of few tokens, refuses with a clear message)."""
+    from cachecert_agents.cti.index import gcv_inflation
+
+    gen = torch.Generator().manual_seed(1)
+    f, dim, n = 200, 6, 2000
+    w = torch.randn(f, dim, generator=gen, dtype=torch.float64) / f ** 0.5
+    stats = PairStatistics.empty({"sender": "s", "receiver": "r"})
+    for _ in range(4):
+        x = torch.randn(n // 4, f, generator=gen, dtype=torch.float64)
+        stats.add("kv:0", [0], x, x @ w + torch.randn(n // 4, dim, generator=gen, dtype=torch.float64),
+                  count_tokens=True)
+        stats.end_context()
+    res, _, dof = schur_residual(stats, "kv:0", rho=1e-2)
+    mx, my, cxx, cxy, _ = stats.centred("kv:0")
+    lam = 1e-2 * torch.trace(cxx) / f
+    fitted = torch.linalg.solve(cxx + lam * torch.eye(f, dtype=torch.float64), cxy)
+    x_new = torch.randn(200_000, f, generator=gen, dtype=torch.float64)
+    y_new = x_new @ w + torch.randn(200_000, dim, generator=gen, dtype=torch.float64)
+    new_error = float(((y_new - my - (x_new - mx) @ fitted) ** 2).sum(1).mean())
+    calibration = float(torch.trace(res))
+    assert 150 < dof < f
+    assert calibration < 0.85 * new_error
+    assert calibration * gcv_inflation(dof, n) == pytest.approx(new_error, rel=0.05)
+    with pytest.raises(ValueError, match="too few calibration tokens"):
+        gcv_inflation(dof, 200)
 
 
 def _layer(key_res_diag, value_res, q2, conc=1.0):
@@ -257,23 +288,51 @@ def _tiny_workload():
 
 
 def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, cache_home):
-    from cachecert_agents.eval.cti_eval import cti_statistics, pair_cti
+    from cachecert_agents.eval.cti_eval import pair_cti, small_cti_inputs
 
     sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
     receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
     wl = _tiny_workload()
-    stats, stem = cti_statistics(sender, receiver, wl, 2)
+    inputs = small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1)
+    stats = inputs.statistics
     assert stats.header["n_calibration_contexts"] == 2 and stats.header["collect_s"] > 0
+    assert inputs.queries.header["n_contexts"] == 2 and inputs.seconds["propagation_s"] > 0
     assert "hidden:1" in stats.targets  # round(0.25 L) with L = 3: the split model has a stream to propagate
-    again, _ = cti_statistics(sender, receiver, wl, 2)
-    assert torch.equal(again.targets["kv:0"].sum_y, stats.targets["kv:0"].sum_y)  # loaded from the cache
-    res = pair_cti("tiny-a", receiver, wl, n_query_contexts=2, n_propagation_contexts=1, statistics=(stats, stem))
+    again = small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1)
+    assert again.seconds == {}  # everything loaded from the cache
+    assert torch.equal(again.statistics.targets["kv:0"].sum_y, stats.targets["kv:0"].sum_y)
+    res = pair_cti("tiny-a", receiver, wl, n_propagation_contexts=1, inputs=inputs)
     assert res["statistics_contexts"] == 2 and res["splits"]["1"]["propagated"]
-    assert res["cost"]["propagation_pass_s"] > 0
-    cached = pair_cti("tiny-a", receiver, wl, n_query_contexts=2, n_propagation_contexts=1, statistics=(stats, stem))
+    assert res["cost"]["single_pass_s"] > 0 and res["cost"]["propagation_pass_s"] > 0
+    cached = pair_cti("tiny-a", receiver, wl, n_propagation_contexts=1, inputs=again)
     assert cached["cost"]["propagation_pass_s"] is None and cached["splits"]["1"]["cti"] == res["splits"]["1"]["cti"]
     with pytest.raises(FileNotFoundError, match="--statistics-contexts"):
         pair_cti("tiny-a", receiver, wl, n_query_contexts=2)  # no mapper statistics from `calibrate`
+
+
+def test_single_pass_equals_the_separate_passes(tiny_tokenizer):
+    """The CTI's single pass (statistics with the queries recorded, clean targets reused by the propagation) gives
+    the same moments, query statistics and propagated errors as the three separate passes on the same contexts."""
+    from cachecert_agents.cti.index import stream_residuals
+    from cachecert_agents.cti.propagation import propagated_error_moments
+    from cachecert_agents.cti.single_pass import cti_inputs
+    from cachecert_agents.transfer.calibrate import collect_statistics
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
+    pairs = [(e.context, e.instruction) for e in _tiny_workload().examples("calibration")][:3]
+    one = cti_inputs(sender, receiver, pairs, [1], propagation_contexts=2, progress=False)
+    stats = collect_statistics(sender, receiver, pairs, [1], progress=False)
+    queries = collect_query_statistics(receiver, pairs, progress=False)
+    moments, _, _ = propagated_error_moments(receiver, pairs[:2], stream_residuals(stats), progress=False)
+    for name, t in stats.targets.items():
+        assert torch.allclose(one.statistics.targets[name].xy, t.xy, rtol=1e-5, atol=1e-6), name
+    assert one.statistics.n_tokens == stats.n_tokens
+    for a, b in zip(one.queries.q2 + one.queries.conc, queries.q2 + queries.conc):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-8)
+    for layer, m in moments[1].items():
+        assert torch.allclose(one.propagated[1][layer], m, rtol=1e-3, atol=1e-9), layer
+    assert set(one.seconds) == {"pass_s", "propagation_s"}
 
 
 def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
@@ -281,8 +340,8 @@ def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
 
     sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
     receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
-    row = cti_cost(sender, receiver, _tiny_workload(), [1], statistics_contexts=1, query_contexts=1,
-                   propagation_contexts=1, mapper_contexts=3, heldout_contexts=1, eval_examples=1,
+    row = cti_cost(sender, receiver, _tiny_workload(), [1], statistics_contexts=1, propagation_contexts=1,
+                   mapper_contexts=3, heldout_contexts=1, eval_examples=1,
                    extrapolate_to=(10,))
     c, m = row["cti"], row["mapper_route"]
     assert c["total_s"] > 0 and m["eval_s"] > 0 and m["methods_evaluated"] == 2

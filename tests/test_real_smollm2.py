@@ -171,7 +171,7 @@ def test_cti_propagation_on_the_real_model(smollm2):
     """The CTI's propagated split model on SmolLM2 -> itself: without noise the receiver's recomputed layers
     reproduce its own keys/values (template prefix, masks and positions are right), and a stream error at layer
     10 reaches every later layer with a finite, positive deviation that enters the split prediction."""
-    from cachecert_agents.cti.index import compute_cti, schur_residual
+    from cachecert_agents.cti.index import compute_cti, stream_residuals
     from cachecert_agents.cti.propagation import propagated_error_moments
     from cachecert_agents.cti.queries import collect_query_statistics
     from cachecert_agents.transfer.calibrate import collect_statistics
@@ -183,7 +183,7 @@ def test_cti_propagation_on_the_real_model(smollm2):
     exact, _, _ = propagated_error_moments(smollm2, texts[:1], {10: zero}, progress=False)
     assert all(float(m.abs().max()) < 1e-8 for m in exact[10].values())
     stats = collect_statistics(smollm2, smollm2, texts, [10], progress=False)
-    moments, _, _ = propagated_error_moments(smollm2, texts[:1], {10: schur_residual(stats, "hidden:10")[0]},
+    moments, _, _ = propagated_error_moments(smollm2, texts[:1], stream_residuals(stats),
                                              progress=False)
     queries = collect_query_statistics(smollm2, texts[:2], progress=False)
     split = compute_cti(stats, queries, smollm2, propagated=moments)["splits"]["10"]

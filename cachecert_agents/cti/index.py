@@ -9,6 +9,7 @@ projections ``W_O``.
 Per receiver layer ``l`` (heads h, KV head g(h), head dim d)::
 
     Sres            = Syy - Syx (Sxx + lam I)^-1 Sxy                 (Schur complement: best linear map's residual)
+                      * (1 - dof/n)^-2                                 (GCV: its error on unseen tokens, by default)
     E[ds^2]_h       = sum_c qbar2_hc * sbar_res,K,g(h),c / d          (query-weighted key residual, RoPE-averaged)
     D_l             = mean_h conc_h * (E[ds^2]_h * S_v,h + tr(G_h Sres_V,g(h))) / mean_h E_h
     S_v,h = tr(G_h Cov(v_g(h))),  E_h = tr(G_h E[v v^T]),  G_h = W_O,h^T W_O,h,  conc_h = E_i[sum_j a_ij^2]
@@ -46,22 +47,47 @@ from cachecert_agents.cti.queries import QueryStatistics
 from cachecert_agents.transfer.statistics import PairStatistics
 
 
-def schur_residual(stats: PairStatistics, name: str, rho: float = 1e-2) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Sres [D, D], Syy [D, D])`` of target ``name``: the residual covariance of the best (ridge, relative
-    ``rho``) linear map from the features, ``Syy - Syx (Sxx + lam I)^-1 Sxy`` with ``lam = rho tr(Sxx)/F``."""
+def schur_residual(stats: PairStatistics, name: str, rho: float = 1e-2
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(Sres [D, D], Syy [D, D], dof)`` of target ``name``: the residual covariance of the best (ridge, relative
+    ``rho``) linear map from the features, ``Syy - Syx (Sxx + lam I)^-1 Sxy`` with ``lam = rho tr(Sxx)/F``, and the
+    map's effective degrees of freedom ``dof = tr(Sxx (Sxx + lam I)^-1) = F - lam tr((Sxx + lam I)^-1)``.
+
+    ``Sres`` is the *calibration* (in-sample) residual; :func:`gcv_inflation` turns it into an estimate of the
+    residual on unseen tokens."""
     _, _, cxx, cxy, cyy = stats.centred(name)
     f = cxx.shape[0]
-    a = cxx + rho * torch.trace(cxx) / f * torch.eye(f, dtype=cxx.dtype)
-    sol = torch.cholesky_solve(cxy, torch.linalg.cholesky(a))
+    lam = rho * torch.trace(cxx) / f
+    chol = torch.linalg.cholesky(cxx + lam * torch.eye(f, dtype=cxx.dtype))
+    sol = torch.cholesky_solve(cxy, chol)
     res = cyy - cxy.T @ sol
-    return (res + res.T) / 2, cyy
+    dof = float(f - lam * torch.trace(torch.cholesky_inverse(chol)))
+    return (res + res.T) / 2, cyy, dof
 
 
-def stream_residuals(stats: PairStatistics, rho: float = 1e-2) -> dict[int, torch.Tensor]:
+def gcv_inflation(dof: float, n_tokens: int) -> float:
+    """``(1 - dof / n)^-2``: the generalised cross-validation factor (Craven & Wahba 1979; Golub, Heath & Wahba
+    1979) by which a linear smoother's prediction error on new data exceeds its calibration residual. With
+    ``dof`` comparable to ``n`` (a few thousand features fitted on a few thousand tokens) the calibration residual
+    is badly optimistic, and by a different amount for every pair (their feature counts differ); the factor
+    removes most of that, so an index from 4 calibration contexts matches one from 20 (docs/cti.md). Tokens of a
+    context are not independent, so this is a first-order correction, not an exact one."""
+    if not 0 <= dof < 0.9 * n_tokens:
+        raise ValueError(f"{dof:.0f} effective features on {n_tokens} tokens: too few calibration tokens for "
+                         f"this pair's features (give more calibration contexts)")
+    return (1 - dof / n_tokens) ** -2
+
+
+def stream_residuals(stats: PairStatistics, rho: float = 1e-2, gcv: bool = True) -> dict[int, torch.Tensor]:
     """``{s: Sres_H [hidden, hidden]}``: the Schur residual of every residual-stream target ``hidden:s`` in the
-    statistics (what :mod:`cachecert_agents.cti.propagation` propagates through the receiver)."""
-    return {int(name.split(":")[1]): schur_residual(stats, name, rho)[0] for name in stats.targets
-            if name.startswith("hidden:")}
+    statistics (what :mod:`cachecert_agents.cti.propagation` propagates through the receiver), inflated by
+    :func:`gcv_inflation` when ``gcv``."""
+    out = {}
+    for name in stats.targets:
+        if name.startswith("hidden:"):
+            res, _, dof = schur_residual(stats, name, rho)
+            out[int(name.split(":")[1])] = res * gcv_inflation(dof, stats.n_tokens) if gcv else res
+    return out
 
 
 @dataclass
@@ -108,13 +134,18 @@ def _stream_relres_seen_by_layer(receiver: Any, s: int, res: torch.Tensor, cyy: 
 
 
 def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2,
-                propagated: dict[int, dict[int, torch.Tensor]] | None = None) -> dict[str, Any]:
+                propagated: dict[int, dict[int, torch.Tensor]] | None = None, gcv: bool = True) -> dict[str, Any]:
     """The index, its per-layer profile, split-layer predictions and the baselines for one pair (see the module
     docstring). ``receiver`` is the receiver's :class:`ModelHandle` (geometry and ``W_O``).
 
     ``propagated[s][l]`` ``[2 Hk d, 2 Hk d]``, when given for a split ``s``, is the measured key/value error of
     recomputed layer ``l >= s`` (:func:`cachecert_agents.cti.propagation.propagated_error_moments`); it replaces
-    the first-order charge ``r_s U_l`` there (which is still reported, as ``cti_first_order``)."""
+    the first-order charge ``r_s U_l`` there (which is still reported, as ``cti_first_order``).
+
+    ``gcv``: every residual (keys/values and stream) is inflated by :func:`gcv_inflation`, an estimate of the
+    map's error on unseen tokens instead of on its calibration tokens; the index, the split predictions and the
+    residual-fraction baseline use it, while the ``r2`` baseline stays the calibration R^2 it is defined as. The
+    propagation moments must come from :func:`stream_residuals` with the same setting."""
     geo = receiver.geometry
     attn = receiver._attention_modules()
     layers: list[LayerTerms] = []
@@ -125,7 +156,8 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         name = f"kv:{layer}"
         if name not in stats.targets:
             continue
-        res, cyy = schur_residual(stats, name, rho)
+        calibration_res, cyy, dof = schur_residual(stats, name, rho)
+        res = calibration_res * gcv_inflation(dof, stats.n_tokens) if gcv else calibration_res
         mean_y = stats.targets[name].sum_y / stats.n_tokens
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
                 attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
@@ -134,7 +166,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         terms = layer_terms(layer, res, cyy, *args)
         terms.unit_deviation = layer_terms(layer, cyy, cyy, *args).deviation
         layers.append(terms)
-        r2_num += float(torch.trace(res))
+        r2_num += float(torch.trace(calibration_res))
         r2_den += float(torch.trace(cyy))
     if not layers:
         raise ValueError("the statistics hold no kv:* targets")
@@ -146,7 +178,8 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
     for name in stats.targets:
         if name.startswith("hidden:"):
             s = int(name.split(":")[1])
-            res, cyy = schur_residual(stats, name, rho)
+            res, cyy, dof = schur_residual(stats, name, rho)
+            res = res * gcv_inflation(dof, stats.n_tokens) if gcv else res
             raw_relres = float(torch.trace(res) / torch.trace(cyy))
             relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
             first_order = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
@@ -170,7 +203,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
     return {
         "sender": stats.header.get("sender"), "receiver": stats.header.get("receiver"),
         "statistics_workload": stats.header.get("workload"), "n_tokens": stats.n_tokens,
-        "query_tokens": queries.n_tokens, "rho": rho,
+        "query_tokens": queries.n_tokens, "rho": rho, "gcv": gcv,
         "cti": -math.log10(max(mean_dev, 1e-30)), "mean_deviation": mean_dev,
         "worst_layer": worst.layer, "worst_deviation": worst.deviation,
         "profile": [{"layer": t.layer, "deviation": t.deviation, "key_term": t.key_term,

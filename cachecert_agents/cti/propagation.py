@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.apply import MappedLayer, replaced_layers
-from cachecert_agents.transfer.features import flatten_kv, receiver_targets, unflatten_kv
+from cachecert_agents.transfer.features import ReceiverTargets, flatten_kv, receiver_targets, unflatten_kv
 
 
 def gaussian_sampler(cov: torch.Tensor) -> torch.Tensor:
@@ -46,11 +46,14 @@ def gaussian_sampler(cov: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str, str]],
                              stream_residuals: dict[int, torch.Tensor], seed: int = 0, progress: bool = True,
-                             total: int | None = None) -> tuple[dict[int, dict[int, torch.Tensor]], int, float]:
+                             total: int | None = None, clean: Iterable[ReceiverTargets] | None = None
+                             ) -> tuple[dict[int, dict[int, torch.Tensor]], int, float]:
     """``(moments, n_tokens, seconds)`` with ``moments[s][l]`` ``[2 Hk d, 2 Hk d]`` (float64, per context token)
     the second moment of the pre-RoPE key/value error at receiver layer ``l >= s`` when the stream entering
     ``s`` carries Gaussian noise of covariance ``stream_residuals[s]`` ``[hidden, hidden]`` (see the module
-    docstring). One clean and one perturbed receiver prefill per context and split."""
+    docstring). One clean and one perturbed receiver prefill per context and split; ``clean``, when given, holds
+    the clean prefills' targets of the same contexts (e.g. from the statistics pass, which computed them already:
+    they need the stream at every split), so only the perturbed ones run."""
     geo = receiver.geometry
     splits = sorted(s for s in stream_residuals if 0 < s < geo.num_layers)
     if not splits:
@@ -62,19 +65,22 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
     gen = torch.Generator().manual_seed(seed)
     n_tokens = 0
     t0 = time.perf_counter()
+    clean_targets = iter(clean) if clean is not None else None
     for context, instruction in tqdm(contexts, desc=f"propagation {receiver.name}", unit="ctx",
                                      disable=not progress, total=total):
         prompt = receiver.format_prompt(context, instruction)
         start, end = prompt.context_span
-        clean = receiver_targets(receiver, prompt, splits)
+        truth = next(clean_targets) if clean_targets is not None else receiver_targets(receiver, prompt, splits)
         positions = torch.arange(start, end)
         n = end - start
+        if truth.kv[0].shape[0] != n or any(s not in truth.hidden for s in splits):
+            raise ValueError("the clean targets given do not match the contexts (token count or split layers)")
         for s in splits:
             noise = torch.randn(n, factors[s].shape[0], generator=gen, dtype=torch.float64) @ factors[s].T
-            stream = (clean.hidden[s].double() + noise).to(receiver.device)[None]
+            stream = (truth.hidden[s].double() + noise).to(receiver.device)[None]
             stubs = {}
             for layer in range(s):  # exact keys/values below the split: only the recomputed layers are measured
-                k, v = unflatten_kv(clean.kv[layer].to(receiver.device), geo.num_kv_heads, geo.head_dim)
+                k, v = unflatten_kv(truth.kv[layer].to(receiver.device), geo.num_kv_heads, geo.head_dim)
                 cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
                 stubs[layer] = MappedLayer(layer, apply_rope(k, cos, sin), v, stream if layer == s - 1 else None)
             cache = receiver.prefill(prompt.prefix_ids).cache
@@ -83,7 +89,7 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
             for layer in range(s, geo.num_layers):
                 perturbed = flatten_kv(cap.key(layer), cap.value(layer))  # [n, 2 Hk d]
-                err = (perturbed.double() - clean.kv[layer].double()).cpu()
+                err = (perturbed.double() - truth.kv[layer].double()).cpu()
                 moments[s][layer] += err.T @ err
         n_tokens += n
     if n_tokens == 0:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from cachecert_agents import __version__
 from cachecert_agents.artifacts import load_artifact, save_artifact
 from cachecert_agents.kv.rope import apply_rope, rope_tables
-from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.models.handle import ModelHandle, QKCapture
 
 FORMAT = "cachecert-query-statistics/1"
 
@@ -67,37 +67,57 @@ def attention_concentration(q: torch.Tensor, k: torch.Tensor, positions: torch.T
     return (a * a).sum(-1).mean(-1)
 
 
+class QueryAccumulator:
+    """Running sums of :class:`QueryStatistics` over calibration contexts, one :meth:`add` per context."""
+
+    def __init__(self, receiver: ModelHandle, sample_queries: int = 32) -> None:
+        geo = receiver.geometry
+        self.receiver, self.sample_queries = receiver, sample_queries
+        self.q2 = [torch.zeros(geo.num_heads, geo.head_dim, dtype=torch.float64) for _ in range(geo.num_layers)]
+        self.conc = [torch.zeros(geo.num_heads, dtype=torch.float64) for _ in range(geo.num_layers)]
+        self.n_tokens = self.n_contexts = 0
+
+    def add(self, capture: QKCapture, start: int, end: int) -> None:
+        """One context: ``capture`` holds the pre-RoPE queries and keys of the tokens ``[0, end)`` (template prefix
+        included), the context being ``[start, end)``."""
+        geo = self.receiver.geometry
+        attn = self.receiver._attention_modules()
+        positions = torch.arange(end)
+        rows = torch.linspace(start, end - 1, min(self.sample_queries, end - start)).round().long().unique()
+        for layer in range(geo.num_layers):
+            q, k = capture.query(layer)[0].double(), capture.key(layer)[0].double()  # [H, end, d], [Hk, end, d]
+            self.q2[layer] += (q[:, start:end] ** 2).sum(1).cpu()
+            cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(q.device))
+            window = geo.sliding_window if layer in geo.sliding_layers else None
+            self.conc[layer] += attention_concentration(apply_rope(q, cos, sin), apply_rope(k, cos, sin), positions,
+                                                        rows, (start, end), float(attn[layer].scaling),
+                                                        window).cpu()
+        self.n_tokens += end - start
+        self.n_contexts += 1
+
+    def result(self, workload: str = "") -> QueryStatistics:
+        if self.n_contexts == 0:
+            raise ValueError("no calibration contexts given")
+        geo = self.receiver.geometry
+        header = {"format": FORMAT, "version": __version__, "receiver": self.receiver.name,
+                  "receiver_kv": geo.kv_fingerprint(), "workload": workload, "n_contexts": self.n_contexts,
+                  "sample_queries": self.sample_queries}
+        return QueryStatistics(header, [t / self.n_tokens for t in self.q2], [c / self.n_contexts for c in self.conc],
+                               self.n_tokens)
+
+
 @torch.inference_mode()
 def collect_query_statistics(receiver: ModelHandle, contexts: Iterable[tuple[str, str]], workload: str = "",
                              sample_queries: int = 32, progress: bool = True, total: int | None = None
                              ) -> QueryStatistics:
-    """One receiver prefill per ``(context, instruction)``; see the module docstring."""
-    geo = receiver.geometry
-    attn = receiver._attention_modules()
-    L, H, d = geo.num_layers, geo.num_heads, geo.head_dim
-    q2 = [torch.zeros(H, d, dtype=torch.float64) for _ in range(L)]
-    conc = [torch.zeros(H, dtype=torch.float64) for _ in range(L)]
-    n_tokens, n_ctx = 0, 0
+    """One receiver prefill per ``(context, instruction)``; see the module docstring. (The CTI's single pass,
+    :func:`cachecert_agents.cti.single_pass.cti_inputs`, takes the same sums from the statistics pass instead.)"""
+    acc = QueryAccumulator(receiver, sample_queries)
     for context, instruction in tqdm(contexts, desc=f"queries {receiver.name}", unit="ctx", disable=not progress,
                                      total=total):
         prompt = receiver.format_prompt(context, instruction)
         start, end = prompt.context_span
         with receiver.capture_qk(queries=True, keys=True) as cap:
             receiver.forward(prompt.input_ids[:end], logits_to_keep=1)
-        positions = torch.arange(end)
-        rows = torch.linspace(start, end - 1, min(sample_queries, end - start)).round().long().unique()
-        for layer in range(L):
-            q, k = cap.query(layer)[0].double(), cap.key(layer)[0].double()  # [H, n, d], [Hk, n, d]
-            q2[layer] += (q[:, start:end] ** 2).sum(1).cpu()
-            cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(q.device))
-            window = geo.sliding_window if layer in geo.sliding_layers else None
-            conc[layer] += attention_concentration(apply_rope(q, cos, sin), apply_rope(k, cos, sin), positions, rows,
-                                                   (start, end), float(attn[layer].scaling), window).cpu()
-        n_tokens += end - start
-        n_ctx += 1
-    if n_ctx == 0:
-        raise ValueError("no calibration contexts given")
-    header = {"format": FORMAT, "version": __version__, "receiver": receiver.name,
-              "receiver_kv": geo.kv_fingerprint(), "workload": workload, "n_contexts": n_ctx,
-              "sample_queries": sample_queries}
-    return QueryStatistics(header, [t / n_tokens for t in q2], [c / n_ctx for c in conc], n_tokens)
+        acc.add(cap, start, end)
+    return acc.result(workload)

@@ -3,8 +3,9 @@
 Two routes to "how well does this pair transfer?", both from scratch (nothing read from the user cache), on the
 same loaded models and workload:
 
-- **CTI**: the pair's statistics on ``K`` calibration contexts, the receiver's query pass, the propagation pass of
-  the split model and the index arithmetic (:mod:`cachecert_agents.cti`);
+- **CTI**: one pass of both models over ``K`` calibration contexts (the pair's statistics and the receiver's query
+  statistics together, :func:`cachecert_agents.cti.single_pass.cti_inputs`), the perturbed receiver prefills of
+  the split model's propagation and the index arithmetic (:mod:`cachecert_agents.cti`);
 - **mapper + retention**: the statistics the mapper is fitted on (``M`` calibration contexts plus held-out ones),
   the fit, and the retention evaluation (receiver full prefill and generation, then each transfer method and its
   generation) on ``E`` evaluation examples, the work ``cachecert eval transfer`` does without its controls.
@@ -21,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachecert_agents.cti.index import compute_cti, stream_residuals
-from cachecert_agents.cti.propagation import propagated_error_moments
-from cachecert_agents.cti.queries import collect_query_statistics
+from cachecert_agents.cti.index import compute_cti
+from cachecert_agents.cti.single_pass import cti_inputs
 from cachecert_agents.eval.transfer_eval import evaluate_transfer
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
@@ -38,7 +38,7 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 
 
 def cti_cost(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
-             statistics_contexts: int = 4, query_contexts: int = 8, propagation_contexts: int = 2,
+             statistics_contexts: int = 4, propagation_contexts: int = 2,
              mapper_contexts: int = 20, heldout_contexts: int = 4, eval_examples: int = 4,
              extrapolate_to: tuple[int, ...] = (31, 100)) -> dict[str, Any]:
     """Both routes' times (seconds) and their ratios; see the module docstring. ``splits`` are the split layers
@@ -46,20 +46,17 @@ def cti_cost(sender: ModelHandle, receiver: ModelHandle, workload: Workload, spl
     L = receiver.geometry.num_layers
     splits = sorted({s for s in splits if 0 < s < L})
     cal = workload.examples("calibration")
-    need = max(statistics_contexts, query_contexts, propagation_contexts, mapper_contexts + heldout_contexts)
+    need = max(statistics_contexts, propagation_contexts, mapper_contexts + heldout_contexts)
     if len(cal) < need:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; this benchmark needs {need}")
     pairs = [(e.context, e.instruction) for e in cal]
     header = pair_header(sender, receiver, workload=workload.name)
 
-    stats, stats_s = _timed(collect_statistics, sender, receiver, pairs[:statistics_contexts], splits,
-                            dict(header, n_calibration_contexts=statistics_contexts), total=statistics_contexts)
-    queries, query_s = _timed(collect_query_statistics, receiver, pairs[:query_contexts], workload.name,
-                              total=query_contexts)
-    (moments, _, _), propagation_s = _timed(propagated_error_moments, receiver, pairs[:propagation_contexts],
-                                            stream_residuals(stats), total=propagation_contexts)
-    index, index_s = _timed(compute_cti, stats, queries, receiver, propagated=moments)
-    cti_s = stats_s + query_s + propagation_s + index_s
+    inputs, cti_pass_s = _timed(cti_inputs, sender, receiver, pairs[:statistics_contexts], splits, workload.name,
+                                propagation_contexts, dict(header, n_calibration_contexts=statistics_contexts))
+    stats = inputs.statistics
+    index, index_s = _timed(compute_cti, stats, inputs.queries, receiver, propagated=inputs.propagated)
+    cti_s = cti_pass_s + index_s
 
     mapper_header = dict(header, n_calibration_contexts=mapper_contexts)
     mapper_stats, mapper_stats_s = _timed(collect_statistics, sender, receiver, pairs[:mapper_contexts], splits,
@@ -78,9 +75,9 @@ def cti_cost(sender: ModelHandle, receiver: ModelHandle, workload: Workload, spl
     return {
         "sender": sender.name, "receiver": receiver.name, "workload": workload.name, "splits": splits,
         "cti": {"statistics_contexts": statistics_contexts, "statistics_tokens": stats.n_tokens,
-                "query_contexts": query_contexts, "propagation_contexts": propagation_contexts,
-                "statistics_pass_s": stats_s, "query_pass_s": query_s, "propagation_pass_s": propagation_s,
-                "index_s": index_s, "total_s": cti_s, "index": index["cti"],
+                "propagation_contexts": propagation_contexts, "single_pass_s": inputs.seconds["pass_s"],
+                "propagation_pass_s": inputs.seconds.get("propagation_s", 0.0), "index_s": index_s,
+                "total_s": cti_s, "index": index["cti"],
                 "split_cti": {s: v["cti"] for s, v in index["splits"].items()}},
         "mapper_route": {"mapper_contexts": mapper_contexts, "heldout_contexts": heldout_contexts,
                          "statistics_tokens": mapper_stats.n_tokens, "statistics_pass_s": mapper_stats_s,

@@ -18,6 +18,7 @@ import torch
 from cachecert_agents.cti.index import compute_cti, stream_residuals
 from cachecert_agents.cti.propagation import propagated_error_moments
 from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
+from cachecert_agents.cti.single_pass import CTIInputs, cti_inputs
 from cachecert_agents.eval.transfer_eval import artifact_stem, mapper_stem, parse_method
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
@@ -63,74 +64,109 @@ def query_statistics(receiver: ModelHandle, workload: Workload, n_contexts: int 
     return stats, time.perf_counter() - t0
 
 
+_PROPAGATION_FORMAT = "cachecert-cti-propagation/1"
+
+
+def _propagation_cache(stats_stem: str, receiver: ModelHandle, n_contexts: int) -> tuple[Path, dict]:
+    """Where the propagation moments of ``stats_stem`` live and what their header must say (they are recomputed
+    when the statistics file, the context count, the receiver or the stream residual's definition changes)."""
+    from cachecert_agents.artifacts import artifact_paths
+    from cachecert_agents.cert.certificate import file_fingerprint
+
+    expect = {"statistics_sha256": file_fingerprint(artifact_paths(stats_stem)[0]), "n_contexts": n_contexts,
+              "receiver_kv": receiver.geometry.kv_fingerprint(), "stream_residual": "gcv"}
+    return cache_home() / "cti" / f"{Path(stats_stem).name}.propagation", expect
+
+
+def _load_propagation(cache: Path, expect: dict) -> dict[int, dict[int, torch.Tensor]] | None:
+    from cachecert_agents.artifacts import artifact_paths, load_artifact
+
+    if not artifact_paths(cache)[1].exists():
+        return None
+    try:
+        _, tensors = load_artifact(cache, _PROPAGATION_FORMAT, expect, "propagation moments")
+    except ValueError:  # stale (other statistics, context count or definition): the caller recomputes
+        return None
+    moments: dict[int, dict[int, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        s, layer = (int(x) for x in key.split("/"))
+        moments.setdefault(s, {})[layer] = t
+    return moments
+
+
+def _save_propagation(cache: Path, expect: dict, moments: dict[int, dict[int, torch.Tensor]], workload: str,
+                      seconds: float) -> None:
+    from cachecert_agents.artifacts import save_artifact
+
+    save_artifact(cache, {f"{s}/{layer}": m for s, per in moments.items() for layer, m in per.items()},
+                  dict(expect, format=_PROPAGATION_FORMAT, seconds=seconds, workload=workload))
+
+
 def propagation(stats: PairStatistics, stats_stem: str, receiver: ModelHandle, workload: Workload,
                 n_contexts: int) -> tuple[dict[int, dict[int, torch.Tensor]], float]:
     """The measured propagation of each split's stream error through the receiver
     (:func:`~cachecert_agents.cti.propagation.propagated_error_moments`) on ``n_contexts`` calibration contexts,
     cached under ``$CACHECERT_HOME/cti`` and recomputed when the statistics file changes; returns the moments and
     the seconds spent now (0 when cached)."""
-    from cachecert_agents.artifacts import artifact_paths, load_artifact, save_artifact
-    from cachecert_agents.cert.certificate import file_fingerprint
-
-    fmt = "cachecert-cti-propagation/1"
-    stats_fp = file_fingerprint(artifact_paths(stats_stem)[0])
-    cache = cache_home() / "cti" / f"{Path(stats_stem).name}.propagation"
-    expect = {"statistics_sha256": stats_fp, "n_contexts": n_contexts,
-              "receiver_kv": receiver.geometry.kv_fingerprint()}
-    if artifact_paths(cache)[1].exists():
-        try:
-            _, tensors = load_artifact(cache, fmt, expect, "propagation moments")
-        except ValueError:  # stale (other statistics or context count): recompute below
-            pass
-        else:
-            moments: dict[int, dict[int, torch.Tensor]] = {}
-            for key, t in tensors.items():
-                s, layer = (int(x) for x in key.split("/"))
-                moments.setdefault(s, {})[layer] = t
-            return moments, 0.0
+    cache, expect = _propagation_cache(stats_stem, receiver, n_contexts)
+    moments = _load_propagation(cache, expect)
+    if moments is not None:
+        return moments, 0.0
     cal = workload.examples("calibration", limit=n_contexts)
-    moments, n_tokens, seconds = propagated_error_moments(receiver, [(e.context, e.instruction) for e in cal],
-                                                          stream_residuals(stats), total=len(cal))
-    save_artifact(cache, {f"{s}/{layer}": m for s, per in moments.items() for layer, m in per.items()},
-                  dict(expect, format=fmt, n_tokens=n_tokens, seconds=seconds, workload=workload.name))
+    moments, _, seconds = propagated_error_moments(receiver, [(e.context, e.instruction) for e in cal],
+                                                   stream_residuals(stats), total=len(cal))
+    _save_propagation(cache, expect, moments, workload.name, seconds)
     return moments, seconds
 
 
-def cti_statistics(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
-                   split_fractions: tuple[float, ...] = (0.25, 0.5)) -> tuple[PairStatistics, str]:
-    """Pair statistics for the index alone, on the first ``n_contexts`` calibration contexts of ``workload``
-    (the stream at the receiver's layers ``round(f L)`` for the split model), cached under
-    ``$CACHECERT_HOME/cti``; the header's ``collect_s`` is the time of the pass that made them. Returns the
-    statistics and their artifact stem. A mapper is not fitted: the CTI needs moments, not a map."""
-    from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
+def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
+                     n_propagation_contexts: int = 2, split_fractions: tuple[float, ...] = (0.25, 0.5)
+                     ) -> CTIInputs:
+    """The index's own inputs from one pass (:func:`~cachecert_agents.cti.single_pass.cti_inputs`) over the first
+    ``n_contexts`` calibration contexts of ``workload`` (the stream at the receiver's layers ``round(f L)`` for
+    the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` is empty when everything came from the
+    cache. A mapper is not fitted: the CTI needs moments, not a map."""
+    from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
 
-    stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}"
-                                      f"__k{n_contexts}.stats")
+    stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}__k{n_contexts}")
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
-    if Path(f"{stem}.json").exists():  # the context count is in the name
-        return PairStatistics.load(stem, expect=pair_fingerprints(header)), stem
+    if Path(f"{stem}.stats.json").exists() and Path(f"{stem}.queries.json").exists():  # the count is in the name
+        stats = PairStatistics.load(f"{stem}.stats", expect=pair_fingerprints(header))
+        queries = QueryStatistics.load(f"{stem}.queries", expect={"receiver_kv": receiver.geometry.kv_fingerprint(),
+                                                                  "n_contexts": n_contexts})
+        moments = None
+        if n_propagation_contexts and any(name.startswith("hidden:") for name in stats.targets):
+            moments = _load_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts))
+        if moments is not None or not n_propagation_contexts:
+            return CTIInputs(stats, queries, moments, {})
     L = receiver.geometry.num_layers
     splits = sorted({round(f * L) for f in split_fractions} - {0, L})
     cal = workload.examples("calibration", limit=n_contexts)
     if len(cal) < n_contexts:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts}")
-    stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal], splits, header,
-                               total=len(cal))
-    stats.save(stem)
-    return stats, stem
+    inputs = cti_inputs(sender, receiver, [(e.context, e.instruction) for e in cal], splits, workload.name,
+                        n_propagation_contexts, header)
+    inputs.statistics.save(f"{stem}.stats")
+    inputs.queries.save(f"{stem}.queries")
+    if inputs.propagated is not None:
+        _save_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts), inputs.propagated,
+                          workload.name, inputs.seconds["propagation_s"])
+    return inputs
 
 
 def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8,
-             n_propagation_contexts: int = 2, statistics: tuple[PairStatistics, str] | None = None
-             ) -> dict[str, Any]:
+             n_propagation_contexts: int = 2, inputs: CTIInputs | None = None) -> dict[str, Any]:
     """The index of ``sender -> receiver`` with its cost: the statistics pass (recorded when it ran), the query
     pass, the propagation pass of the split model (``n_propagation_contexts`` calibration contexts; 0 keeps the
     first-order split model) and the index arithmetic.
 
-    ``statistics``: ``(stats, stem)`` from :func:`cti_statistics`; by default, the statistics saved by
-    ``cachecert calibrate`` for ``workload`` (the mapper's)."""
-    if statistics is not None:
-        stats, stats_stem = statistics
+    ``inputs``: the index's own inputs from :func:`small_cti_inputs` (one pass: statistics and queries together);
+    by default, the statistics saved by ``cachecert calibrate`` for ``workload`` (the mapper's) with a separate
+    query pass on ``n_query_contexts`` contexts."""
+    if inputs is not None:
+        stats, queries, moments = inputs.statistics, inputs.queries, inputs.propagated
+        cost = {"single_pass_s": inputs.seconds.get("pass_s"),
+                "propagation_pass_s": inputs.seconds.get("propagation_s")}
     else:
         stem = mapper_stem(sender_name, receiver.name, workload.name)
         stats_stem = f"{stem}.stats"
@@ -139,15 +175,15 @@ def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_quer
                                     f"{stats_stem}.*; run `cachecert calibrate --pair {sender_name}:{receiver.name} "
                                     f"--workload {workload.name}` first, or give --statistics-contexts")
         stats = PairStatistics.load(stats_stem, expect={"receiver_kv": receiver.geometry.kv_fingerprint()})
-    queries, query_s = query_statistics(receiver, workload, n_query_contexts)
-    has_splits = any(name.startswith("hidden:") for name in stats.targets)
-    moments, propagation_s = (propagation(stats, stats_stem, receiver, workload, n_propagation_contexts)
-                              if n_propagation_contexts and has_splits else (None, 0.0))
+        queries, query_s = query_statistics(receiver, workload, n_query_contexts)
+        has_splits = any(name.startswith("hidden:") for name in stats.targets)
+        moments, propagation_s = (propagation(stats, stats_stem, receiver, workload, n_propagation_contexts)
+                                  if n_propagation_contexts and has_splits else (None, 0.0))
+        cost = {"query_pass_s": query_s or None, "statistics_pass_s": stats.header.get("collect_s"),
+                "propagation_pass_s": propagation_s or None}
     t0 = time.perf_counter()
     result = compute_cti(stats, queries, receiver, propagated=moments)
-    result["cost"] = {"index_s": time.perf_counter() - t0, "query_pass_s": query_s or None,
-                      "statistics_pass_s": stats.header.get("collect_s"),
-                      "propagation_pass_s": propagation_s or None}
+    result["cost"] = dict(cost, index_s=time.perf_counter() - t0)
     result["propagation_contexts"] = n_propagation_contexts if moments else 0
     result["statistics_contexts"] = stats.header.get("n_calibration_contexts")
     result["workload"] = workload.name

@@ -9,7 +9,8 @@ import torch
 from tqdm.auto import tqdm
 
 from cachecert_agents.models.handle import ModelHandle
-from cachecert_agents.transfer.features import alignment_for, receiver_targets, rms_normalise, sender_features
+from cachecert_agents.transfer.features import (ReceiverTargets, alignment_for, receiver_targets, rms_normalise,
+                                                 sender_features)
 from cachecert_agents.transfer.statistics import PairStatistics, sender_layers_for
 
 logger = logging.getLogger(__name__)
@@ -58,38 +59,48 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
         stats.header["anchor"] = anchor
     import time
 
-    ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
     n_contexts = 0
     t0 = time.perf_counter()
     for context, instruction in tqdm(contexts, desc=f"calibrate {sender.name}->{receiver.name}", unit="ctx",
                                      disable=not progress, total=total):
-        s_prompt = sender.format_prompt(context, instruction)
-        r_prompt = receiver.format_prompt(context, instruction)
-        targets = receiver_targets(receiver, r_prompt, sorted(set(splits) | ({anchor} if anchor else set())))
-        anchor_x = rms_normalise(targets.hidden[anchor]) if anchor else None
-        alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
-        feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)
-
-        def features_for(boundary: int, w: int = width):
-            layers = sender_layers_for(boundary, lr, ls, w)
-            x = feats.select(layers)
-            return layers, x if anchor_x is None else torch.cat([x, anchor_x], dim=-1)
-
-        first = True
-        for layer, y in enumerate(targets.kv):
-            if (anchor and layer < anchor) or (kv_until is not None and layer >= kv_until):
-                continue
-            layers, x = features_for(layer)
-            stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor)
-            first = False
-        for s in splits:
-            if anchor and s <= anchor:
-                continue
-            layers, x = features_for(s, hidden_width or width)
-            stats.add(f"hidden:{s}", layers, x, targets.hidden[s], anchor=anchor)
-        stats.end_context()
+        add_context(stats, sender, receiver, context, instruction, splits, width, hidden_width, anchor, kv_until)
         n_contexts += 1
     stats.header["n_contexts"] = n_contexts
     stats.header["collect_s"] = time.perf_counter() - t0  # both models' passes and the moment updates
     logger.info("collected statistics over %d contexts, %d receiver tokens", n_contexts, stats.n_tokens)
     return stats
+
+
+def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandle, context: str, instruction: str,
+                splits: list[int], width: int = 3, hidden_width: int | None = None, anchor: int | None = None,
+                kv_until: int | None = None, queries: bool = False) -> ReceiverTargets:
+    """Run both models over one context and add its moments to ``stats`` (the body of
+    :func:`collect_statistics`, whose docstring explains the arguments). Returns the receiver's targets, with its
+    recorded queries when ``queries`` (the CTI's single pass reuses them)."""
+    ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
+    s_prompt = sender.format_prompt(context, instruction)
+    r_prompt = receiver.format_prompt(context, instruction)
+    targets = receiver_targets(receiver, r_prompt, sorted(set(splits) | ({anchor} if anchor else set())), queries)
+    anchor_x = rms_normalise(targets.hidden[anchor]) if anchor else None
+    alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
+    feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)
+
+    def features_for(boundary: int, w: int = width):
+        layers = sender_layers_for(boundary, lr, ls, w)
+        x = feats.select(layers)
+        return layers, x if anchor_x is None else torch.cat([x, anchor_x], dim=-1)
+
+    first = True
+    for layer, y in enumerate(targets.kv):
+        if (anchor and layer < anchor) or (kv_until is not None and layer >= kv_until):
+            continue
+        layers, x = features_for(layer)
+        stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor)
+        first = False
+    for s in splits:
+        if anchor and s <= anchor:
+            continue
+        layers, x = features_for(s, hidden_width or width)
+        stats.add(f"hidden:{s}", layers, x, targets.hidden[s], anchor=anchor)
+    stats.end_context()
+    return targets

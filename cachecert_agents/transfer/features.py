@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cachecert_agents.kv.alignment import TokenAlignment, align_tokens
-from cachecert_agents.models.handle import ModelHandle, PromptSegments
+from cachecert_agents.models.handle import ModelHandle, PromptSegments, QKCapture
 
 
 @dataclass
@@ -87,25 +87,31 @@ def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) 
 class ReceiverTargets:
     """``kv[l]`` ``[n_context, 2 * kv_heads * head_dim]`` pre-RoPE keys then values; ``hidden[s]``
     ``[n_context, hidden]`` residual stream entering layer ``s``; receiver prefill time of the context (seconds,
-    on top of its prefix cache)."""
+    on top of its prefix cache); ``qk``, when asked for, the pre-RoPE queries and keys of every token of
+    ``prefix + context`` (what :class:`cachecert_agents.cti.queries.QueryAccumulator` reads)."""
 
     kv: list[torch.Tensor]
     hidden: dict[int, torch.Tensor]
     prefill_s: float
+    qk: QKCapture | None = None
 
 
-def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list[int]) -> ReceiverTargets:
-    """One receiver prefill over ``prefix + context``; returns the mapper's regression targets."""
+def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list[int],
+                     queries: bool = False) -> ReceiverTargets:
+    """One receiver prefill over ``prefix + context``; returns the mapper's regression targets (and, with
+    ``queries``, the recorded queries and keys, so the CTI's query statistics need no second pass)."""
     import time
 
-    prefix = receiver.prefill(prompt.prefix_ids)
-    t0 = time.perf_counter()
-    with receiver.capture_qk(queries=False, keys=True, values=True) as cap:  # every token, sliding layers too
+    n = len(prompt.context_ids)
+    with receiver.capture_qk(queries=queries, keys=True, values=True) as cap:  # every token, sliding layers too
+        prefix = receiver.prefill(prompt.prefix_ids)
+        t0 = time.perf_counter()
         out = receiver.forward(prompt.context_ids, prefix.cache, output_hidden_states=True, logits_to_keep=1)
-    elapsed = time.perf_counter() - t0
-    kv = [flatten_kv(cap.key(layer), cap.value(layer)) for layer in range(receiver.geometry.num_layers)]
+        elapsed = time.perf_counter() - t0
+    kv = [flatten_kv(cap.key(layer)[:, :, -n:], cap.value(layer)[:, :, -n:])
+          for layer in range(receiver.geometry.num_layers)]
     hidden = {s: out.hidden_states[s].float() for s in splits}
-    return ReceiverTargets(kv, hidden, elapsed)
+    return ReceiverTargets(kv, hidden, elapsed, cap if queries else None)
 
 
 def flatten_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
