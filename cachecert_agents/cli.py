@@ -386,10 +386,11 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             # the sender runs only for a statistics pass of the index's own or the cosine baseline
             sender_handle = (ModelHandle.load(sender, device=args.device)
                              if args.statistics_contexts or args.cosine_examples else None)
+            gcv = args.residual == "gcv"
             inputs = (small_cti_inputs(sender_handle, receivers[receiver], workload, args.statistics_contexts,
-                                       args.propagation_contexts) if args.statistics_contexts else None)
+                                       args.propagation_contexts, gcv=gcv) if args.statistics_contexts else None)
             r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
-                         inputs)
+                         inputs, gcv=gcv)
             if args.cosine_examples:
                 r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
                                                                            workload, args.cosine_examples)
@@ -872,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--propagation-contexts", type=int, default=2,
                    help="calibration contexts on which the receiver propagates each split's stream error (the split "
                         "model; 0: the first-order model, no receiver forward)")
+    p.add_argument("--residual", choices=("gcv", "calibration"), default="gcv",
+                   help="the linear map's residual the index reads: GCV-inflated (its error on unseen tokens; the "
+                        "default) or the calibration residual (in-sample, optimistic on few tokens)")
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
     p.add_argument("--retention-workload", help="correlate with retention measured on this workload instead "
                                                 "(the cross-workload check: index from --workload's calibration text)")

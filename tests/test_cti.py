@@ -306,6 +306,12 @@ def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, 
     assert res["cost"]["single_pass_s"] > 0 and res["cost"]["propagation_pass_s"] > 0
     cached = pair_cti("tiny-a", receiver, wl, n_propagation_contexts=1, inputs=again)
     assert cached["cost"]["propagation_pass_s"] is None and cached["splits"]["1"]["cti"] == res["splits"]["1"]["cti"]
+    # the calibration (in-sample) residual: smaller, so a higher index; the R^2 baseline is the same either way
+    in_sample = pair_cti("tiny-a", receiver, wl, n_propagation_contexts=1, gcv=False,
+                         inputs=small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1, gcv=False))
+    assert res["gcv"] and not in_sample["gcv"] and in_sample["cti"] > res["cti"]
+    assert in_sample["baselines"]["r2"] == pytest.approx(res["baselines"]["r2"])
+    assert in_sample["baselines"]["residual_fraction"] > res["baselines"]["residual_fraction"]
     with pytest.raises(FileNotFoundError, match="--statistics-contexts"):
         pair_cti("tiny-a", receiver, wl, n_query_contexts=2)  # no mapper statistics from `calibrate`
 

@@ -40,10 +40,11 @@ class CTIInputs:
 @torch.inference_mode()
 def cti_inputs(sender: ModelHandle, receiver: ModelHandle, contexts: Sequence[tuple[str, str]], splits: list[int],
                workload: str = "", propagation_contexts: int = 2, header: dict | None = None,
-               progress: bool = True) -> CTIInputs:
+               progress: bool = True, gcv: bool = True) -> CTIInputs:
     """Statistics (``kv:l`` for every receiver layer, ``hidden:s`` for ``splits``), query statistics and the
     propagated split errors over ``contexts`` in one pass (see the module docstring); ``propagation_contexts = 0``
-    or no split leaves ``propagated`` None (the first-order split model)."""
+    or no split leaves ``propagated`` None (the first-order split model). ``gcv``: the stream error propagated is
+    the GCV-inflated residual (:func:`~cachecert_agents.cti.index.stream_residuals`), as the index's default."""
     if not contexts:
         raise ValueError("no calibration contexts given")
     L = receiver.geometry.num_layers
@@ -67,5 +68,5 @@ def cti_inputs(sender: ModelHandle, receiver: ModelHandle, contexts: Sequence[tu
     propagated = None
     if kept and splits:
         propagated, _, seconds["propagation_s"] = propagated_error_moments(
-            receiver, contexts[:len(kept)], stream_residuals(stats), clean=kept, progress=progress)
+            receiver, contexts[:len(kept)], stream_residuals(stats, gcv=gcv), clean=kept, progress=progress)
     return CTIInputs(stats, queries.result(workload), propagated, seconds)

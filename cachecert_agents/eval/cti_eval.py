@@ -67,15 +67,15 @@ def query_statistics(receiver: ModelHandle, workload: Workload, n_contexts: int 
 _PROPAGATION_FORMAT = "cachecert-cti-propagation/1"
 
 
-def _propagation_cache(stats_stem: str, receiver: ModelHandle, n_contexts: int) -> tuple[Path, dict]:
+def _propagation_cache(stats_stem: str, receiver: ModelHandle, n_contexts: int, gcv: bool) -> tuple[Path, dict]:
     """Where the propagation moments of ``stats_stem`` live and what their header must say (they are recomputed
     when the statistics file, the context count, the receiver or the stream residual's definition changes)."""
     from cachecert_agents.artifacts import artifact_paths
     from cachecert_agents.cert.certificate import file_fingerprint
 
     expect = {"statistics_sha256": file_fingerprint(artifact_paths(stats_stem)[0]), "n_contexts": n_contexts,
-              "receiver_kv": receiver.geometry.kv_fingerprint(), "stream_residual": "gcv"}
-    return cache_home() / "cti" / f"{Path(stats_stem).name}.propagation", expect
+              "receiver_kv": receiver.geometry.kv_fingerprint(), "stream_residual": "gcv" if gcv else "calibration"}
+    return cache_home() / "cti" / f"{Path(stats_stem).name}{'' if gcv else '.calibration'}.propagation", expect
 
 
 def _load_propagation(cache: Path, expect: dict) -> dict[int, dict[int, torch.Tensor]] | None:
@@ -103,25 +103,25 @@ def _save_propagation(cache: Path, expect: dict, moments: dict[int, dict[int, to
 
 
 def propagation(stats: PairStatistics, stats_stem: str, receiver: ModelHandle, workload: Workload,
-                n_contexts: int) -> tuple[dict[int, dict[int, torch.Tensor]], float]:
+                n_contexts: int, gcv: bool = True) -> tuple[dict[int, dict[int, torch.Tensor]], float]:
     """The measured propagation of each split's stream error through the receiver
     (:func:`~cachecert_agents.cti.propagation.propagated_error_moments`) on ``n_contexts`` calibration contexts,
     cached under ``$CACHECERT_HOME/cti`` and recomputed when the statistics file changes; returns the moments and
     the seconds spent now (0 when cached)."""
-    cache, expect = _propagation_cache(stats_stem, receiver, n_contexts)
+    cache, expect = _propagation_cache(stats_stem, receiver, n_contexts, gcv)
     moments = _load_propagation(cache, expect)
     if moments is not None:
         return moments, 0.0
     cal = workload.examples("calibration", limit=n_contexts)
     moments, _, seconds = propagated_error_moments(receiver, [(e.context, e.instruction) for e in cal],
-                                                   stream_residuals(stats), total=len(cal))
+                                                   stream_residuals(stats, gcv=gcv), total=len(cal))
     _save_propagation(cache, expect, moments, workload.name, seconds)
     return moments, seconds
 
 
 def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
-                     n_propagation_contexts: int = 2, split_fractions: tuple[float, ...] = (0.25, 0.5)
-                     ) -> CTIInputs:
+                     n_propagation_contexts: int = 2, split_fractions: tuple[float, ...] = (0.25, 0.5),
+                     gcv: bool = True) -> CTIInputs:
     """The index's own inputs from one pass (:func:`~cachecert_agents.cti.single_pass.cti_inputs`) over the first
     ``n_contexts`` calibration contexts of ``workload`` (the stream at the receiver's layers ``round(f L)`` for
     the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` is empty when everything came from the
@@ -136,7 +136,7 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
                                                                   "n_contexts": n_contexts})
         moments = None
         if n_propagation_contexts and any(name.startswith("hidden:") for name in stats.targets):
-            moments = _load_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts))
+            moments = _load_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv))
         if moments is not None or not n_propagation_contexts:
             return CTIInputs(stats, queries, moments, {})
     L = receiver.geometry.num_layers
@@ -145,24 +145,25 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
     if len(cal) < n_contexts:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts}")
     inputs = cti_inputs(sender, receiver, [(e.context, e.instruction) for e in cal], splits, workload.name,
-                        n_propagation_contexts, header)
+                        n_propagation_contexts, header, gcv=gcv)
     inputs.statistics.save(f"{stem}.stats")
     inputs.queries.save(f"{stem}.queries")
     if inputs.propagated is not None:
-        _save_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts), inputs.propagated,
+        _save_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv), inputs.propagated,
                           workload.name, inputs.seconds["propagation_s"])
     return inputs
 
 
 def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8,
-             n_propagation_contexts: int = 2, inputs: CTIInputs | None = None) -> dict[str, Any]:
+             n_propagation_contexts: int = 2, inputs: CTIInputs | None = None, gcv: bool = True) -> dict[str, Any]:
     """The index of ``sender -> receiver`` with its cost: the statistics pass (recorded when it ran), the query
     pass, the propagation pass of the split model (``n_propagation_contexts`` calibration contexts; 0 keeps the
     first-order split model) and the index arithmetic.
 
     ``inputs``: the index's own inputs from :func:`small_cti_inputs` (one pass: statistics and queries together);
     by default, the statistics saved by ``cachecert calibrate`` for ``workload`` (the mapper's) with a separate
-    query pass on ``n_query_contexts`` contexts."""
+    query pass on ``n_query_contexts`` contexts. ``gcv``: GCV-inflated residuals (the default) or the calibration
+    residuals (:func:`~cachecert_agents.cti.index.compute_cti`); ``inputs`` must have been made with the same."""
     if inputs is not None:
         stats, queries, moments = inputs.statistics, inputs.queries, inputs.propagated
         cost = {"single_pass_s": inputs.seconds.get("pass_s"),
@@ -177,12 +178,12 @@ def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_quer
         stats = PairStatistics.load(stats_stem, expect={"receiver_kv": receiver.geometry.kv_fingerprint()})
         queries, query_s = query_statistics(receiver, workload, n_query_contexts)
         has_splits = any(name.startswith("hidden:") for name in stats.targets)
-        moments, propagation_s = (propagation(stats, stats_stem, receiver, workload, n_propagation_contexts)
+        moments, propagation_s = (propagation(stats, stats_stem, receiver, workload, n_propagation_contexts, gcv)
                                   if n_propagation_contexts and has_splits else (None, 0.0))
         cost = {"query_pass_s": query_s or None, "statistics_pass_s": stats.header.get("collect_s"),
                 "propagation_pass_s": propagation_s or None}
     t0 = time.perf_counter()
-    result = compute_cti(stats, queries, receiver, propagated=moments)
+    result = compute_cti(stats, queries, receiver, propagated=moments, gcv=gcv)
     result["cost"] = dict(cost, index_s=time.perf_counter() - t0)
     result["propagation_contexts"] = n_propagation_contexts if moments else 0
     result["statistics_contexts"] = stats.header.get("n_calibration_contexts")

@@ -121,8 +121,11 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
         c, m = r["cti"], r["mapper_route"]
         ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
                            for n, v in r["ratio_cti_to_mapper_route"].items())
-        lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {c['single_pass_s']:.0f} "
-                     f"({c['statistics_contexts']}, {c['statistics_tokens']}) / "
+        passes = (f"{c['single_pass_s']:.0f} ({c['statistics_contexts']}, {c['statistics_tokens']})"
+                  if "single_pass_s" in c else  # rows from before the single pass: separate statistics and queries
+                  f"{c['statistics_pass_s']:.0f} ({c['statistics_contexts']}, {c['statistics_tokens']}) + queries "
+                  f"{c['query_pass_s']:.0f}")
+        lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {passes} / "
                      f"{c['propagation_pass_s']:.0f} / {c['index_s']:.1f} = **{c['total_s']:.0f}** | "
                      f"{m['statistics_pass_s']:.0f} + {m['heldout_pass_s']:.0f} + {m['fit_s']:.1f} | "
                      f"{m['eval_s_per_example']:.1f} ({m['methods_evaluated']}) | {ratios} |")
