@@ -124,8 +124,9 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
                      gcv: bool = True) -> CTIInputs:
     """The index's own inputs from one pass (:func:`~cachecert_agents.cti.single_pass.cti_inputs`) over the first
     ``n_contexts`` calibration contexts of ``workload`` (the stream at the receiver's layers ``round(f L)`` for
-    the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` is empty when everything came from the
-    cache. A mapper is not fitted: the CTI needs moments, not a map."""
+    the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` holds what was spent now (empty when
+    everything came from the cache; only the propagation when just that was missing, e.g. for the other
+    ``gcv`` setting). A mapper is not fitted: the CTI needs moments, not a map."""
     from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
 
     stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}__k{n_contexts}")
@@ -134,11 +135,12 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
         stats = PairStatistics.load(f"{stem}.stats", expect=pair_fingerprints(header))
         queries = QueryStatistics.load(f"{stem}.queries", expect={"receiver_kv": receiver.geometry.kv_fingerprint(),
                                                                   "n_contexts": n_contexts})
-        moments = None
+        moments, seconds = None, {}
         if n_propagation_contexts and any(name.startswith("hidden:") for name in stats.targets):
-            moments = _load_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv))
-        if moments is not None or not n_propagation_contexts:
-            return CTIInputs(stats, queries, moments, {})
+            moments, propagation_s = propagation(stats, f"{stem}.stats", receiver, workload, n_propagation_contexts,
+                                                 gcv)
+            seconds = {"propagation_s": propagation_s} if propagation_s else {}
+        return CTIInputs(stats, queries, moments, seconds)
     L = receiver.geometry.num_layers
     splits = sorted({round(f * L) for f in split_fractions} - {0, L})
     cal = workload.examples("calibration", limit=n_contexts)
