@@ -58,10 +58,12 @@ def schur_residual(stats: PairStatistics, name: str, rho: float = 1e-2
     _, _, cxx, cxy, cyy = stats.centred(name)
     f = cxx.shape[0]
     lam = rho * torch.trace(cxx) / f
-    chol = torch.linalg.cholesky(cxx + lam * torch.eye(f, dtype=cxx.dtype))
+    eye = torch.eye(f, dtype=cxx.dtype)
+    chol = torch.linalg.cholesky(cxx + lam * eye)
     sol = torch.cholesky_solve(cxy, chol)
     res = cyy - cxy.T @ sol
-    dof = float(f - lam * torch.trace(torch.cholesky_inverse(chol)))
+    # tr((Sxx + lam I)^-1) = ||L^-1||_F^2: one triangular solve, not the full inverse
+    dof = float(f - lam * torch.linalg.solve_triangular(chol, eye, upper=False).square().sum())
     return (res + res.T) / 2, cyy, dof
 
 
@@ -78,16 +80,20 @@ def gcv_inflation(dof: float, n_tokens: int) -> float:
     return (1 - dof / n_tokens) ** -2
 
 
+def index_residual(stats: PairStatistics, name: str, rho: float = 1e-2, gcv: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Sres, Syy, calibration Sres)`` of target ``name`` as the index reads it: the Schur residual
+    (:func:`schur_residual`), inflated by :func:`gcv_inflation` when ``gcv``, next to the calibration one."""
+    res, cyy, dof = schur_residual(stats, name, rho)
+    return (res * gcv_inflation(dof, stats.n_tokens) if gcv else res), cyy, res
+
+
 def stream_residuals(stats: PairStatistics, rho: float = 1e-2, gcv: bool = True) -> dict[int, torch.Tensor]:
-    """``{s: Sres_H [hidden, hidden]}``: the Schur residual of every residual-stream target ``hidden:s`` in the
-    statistics (what :mod:`cachecert_agents.cti.propagation` propagates through the receiver), inflated by
-    :func:`gcv_inflation` when ``gcv``."""
-    out = {}
-    for name in stats.targets:
-        if name.startswith("hidden:"):
-            res, _, dof = schur_residual(stats, name, rho)
-            out[int(name.split(":")[1])] = res * gcv_inflation(dof, stats.n_tokens) if gcv else res
-    return out
+    """``{s: Sres_H [hidden, hidden]}``: the residual (:func:`index_residual`) of every residual-stream target
+    ``hidden:s`` in the statistics (what :mod:`cachecert_agents.cti.propagation` propagates through the
+    receiver)."""
+    return {int(name.split(":")[1]): index_residual(stats, name, rho, gcv)[0] for name in stats.targets
+            if name.startswith("hidden:")}
 
 
 @dataclass
@@ -156,8 +162,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         name = f"kv:{layer}"
         if name not in stats.targets:
             continue
-        calibration_res, cyy, dof = schur_residual(stats, name, rho)
-        res = calibration_res * gcv_inflation(dof, stats.n_tokens) if gcv else calibration_res
+        res, cyy, calibration_res = index_residual(stats, name, rho, gcv)
         mean_y = stats.targets[name].sum_y / stats.n_tokens
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
                 attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
@@ -178,8 +183,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
     for name in stats.targets:
         if name.startswith("hidden:"):
             s = int(name.split(":")[1])
-            res, cyy, dof = schur_residual(stats, name, rho)
-            res = res * gcv_inflation(dof, stats.n_tokens) if gcv else res
+            res, cyy, _ = index_residual(stats, name, rho, gcv)
             raw_relres = float(torch.trace(res) / torch.trace(cyy))
             relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
             first_order = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)

@@ -57,8 +57,8 @@ def cti_inputs(sender: ModelHandle, receiver: ModelHandle, contexts: Sequence[tu
     for i, (context, instruction) in enumerate(tqdm(contexts, desc=f"CTI pass {sender.name}->{receiver.name}",
                                                     unit="ctx", disable=not progress)):
         targets = add_context(stats, sender, receiver, context, instruction, splits, queries=True)
-        start, end = receiver.format_prompt(context, instruction).context_span
-        queries.add(targets.qk, start, end)
+        end = targets.qk.key(0).shape[2]  # the capture holds prefix + context; the targets the context
+        queries.add(targets.qk, end - targets.kv[0].shape[0], end)
         targets.qk = None  # the recorded queries are summed; drop them
         if i < propagation_contexts:
             kept.append(targets)

@@ -151,8 +151,8 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
     inputs.statistics.save(f"{stem}.stats")
     inputs.queries.save(f"{stem}.queries")
     if inputs.propagated is not None:
-        _save_propagation(*_propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv), inputs.propagated,
-                          workload.name, inputs.seconds["propagation_s"])
+        cache, expect = _propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv)
+        _save_propagation(cache, expect, inputs.propagated, workload.name, inputs.seconds["propagation_s"])
     return inputs
 
 
