@@ -1,0 +1,61 @@
+"""Re-correlate an earlier ``cachecert cti`` result with the current retention table, next to the current one
+on the same points: the ablation of a change to the index (e.g. the GCV residual) when the retention table moved
+in between. The earlier file is read from git, so nothing is recomputed.
+
+    python benchmarks/cti_recorrelate.py --before 70c27b9:docs/results/cti.json --after docs/results/cti.json \
+        --before 70c27b9:docs/results/cti_k4.json --after docs/results/cti_k4.json \
+        --out docs/results/cti_residual_ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from cachecert_agents.cli import write_json_atomic
+from cachecert_agents.eval.cti_eval import correlate
+
+
+def _pairs(ref: str) -> list[dict]:
+    text = (subprocess.run(["git", "show", ref], check=True, capture_output=True, text=True).stdout
+            if ":" in ref else Path(ref).read_text())
+    results = json.loads(text)["results"]
+    return results["pairs"] if "pairs" in results else results
+
+
+def _summary(pairs: list[dict], rows: list[dict]) -> dict:
+    return {group: {"n_points": c["n_points"], "spearman_cti": c["spearman_cti"],
+                    "spearman_residual_fraction": c["spearman_residual_fraction"]}
+            for group, c in correlate(pairs, rows)["correlations"].items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", action="append", required=True, help="GIT_REF:PATH (or a path) of the earlier run")
+    ap.add_argument("--after", action="append", required=True, help="the current run, one per --before")
+    ap.add_argument("--transfer", default="docs/results/transfer.json")
+    ap.add_argument("--out", default="docs/results/cti_residual_ablation.json")
+    args = ap.parse_args()
+    rows = json.loads(Path(args.transfer).read_text())["results"]
+    comparisons = []
+    for before_ref, after_ref in zip(args.before, args.after, strict=True):
+        before, after = _pairs(before_ref), _pairs(after_ref)
+        keys = {(p["sender"], p["receiver"], p["workload"]) for p in before}
+        same = [p for p in after if (p["sender"], p["receiver"], p["workload"]) in keys]
+        comparisons.append({"before": before_ref, "after": after_ref, "before_gcv": before[0].get("gcv", False),
+                            "after_gcv": after[0].get("gcv", False), "before_corr": _summary(before, rows),
+                            "after_same_pairs": _summary(same, rows), "after_all": _summary(after, rows)})
+        print(before_ref, "->", after_ref, json.dumps({k: comparisons[-1][k]["pooled"]["spearman_cti"]
+                                                        for k in ("before_corr", "after_same_pairs", "after_all")}))
+    write_json_atomic(Path(args.out), {"command": "python " + shlex.join(sys.argv),
+                                       "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                                       "comparisons": comparisons})
+
+
+if __name__ == "__main__":
+    main()
