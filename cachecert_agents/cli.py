@@ -374,9 +374,13 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     receivers: dict[str, ModelHandle] = {}
     for workload in workloads:
         if args.all:
+            # every pair with a mapper on the workload; in the cross-workload check with the index's own
+            # statistics pass, every pair with a mapper (hence retention) on the retention workload
+            listed = (args.retention_workload if args.statistics_contexts and args.retention_workload
+                      else workload.name)
             pairs = sorted({tuple(p.name.split("__")[:2])
                             for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
-                            if p.name.split("__")[2].startswith(f"{workload.name}.")})
+                            if p.name.split("__")[2].startswith(f"{listed}.")})
         else:
             pairs = [args.pair]
         for sender, receiver in pairs:
@@ -859,7 +863,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cti", help="Cache Transferability Index of a pair (or --all) from its statistics")
     p.add_argument("--pair", type=_parse_pair, metavar="SENDER:RECEIVER")
-    p.add_argument("--all", action="store_true", help="every pair with statistics for the workload")
+    p.add_argument("--all", action="store_true",
+                   help="every pair with a mapper for the workload (with --statistics-contexts and "
+                        "--retention-workload: for the retention workload)")
     p.add_argument("--workload", default="hotpotqa",
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")

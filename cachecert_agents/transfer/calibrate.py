@@ -73,10 +73,15 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
 
 def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandle, context: str, instruction: str,
                 splits: list[int], width: int = 3, hidden_width: int | None = None, anchor: int | None = None,
-                kv_until: int | None = None, queries: bool = False) -> ReceiverTargets:
+                kv_until: int | None = None, queries: bool = False,
+                product_dtype: torch.dtype = torch.float32) -> ReceiverTargets:
     """Run both models over one context and add its moments to ``stats`` (the body of
     :func:`collect_statistics`, whose docstring explains the arguments). Returns the receiver's targets, with its
-    recorded queries when ``queries`` (the CTI's single pass reuses them)."""
+    recorded queries when ``queries`` (the CTI's single pass reuses them).
+
+    ``product_dtype``: one context's products are formed in float32 and added to the float64 running sums
+    (:meth:`PairStatistics.add`); on a 3k-token context with 2.7k features that is about 4x faster than float64
+    products, and the rounding (relative ~1e-7 per product over one context) is far below the sampling error."""
     ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
     s_prompt = sender.format_prompt(context, instruction)
     r_prompt = receiver.format_prompt(context, instruction)
@@ -95,12 +100,12 @@ def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandl
         if (anchor and layer < anchor) or (kv_until is not None and layer >= kv_until):
             continue
         layers, x = features_for(layer)
-        stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor)
+        stats.add(f"kv:{layer}", layers, x, y, count_tokens=first, anchor=anchor, product_dtype=product_dtype)
         first = False
     for s in splits:
         if anchor and s <= anchor:
             continue
         layers, x = features_for(s, hidden_width or width)
-        stats.add(f"hidden:{s}", layers, x, targets.hidden[s], anchor=anchor)
+        stats.add(f"hidden:{s}", layers, x, targets.hidden[s], anchor=anchor, product_dtype=product_dtype)
     stats.end_context()
     return targets
