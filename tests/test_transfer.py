@@ -37,6 +37,22 @@ def test_streaming_ridge_recovers_a_known_linear_map():
     assert mapper.header["targets"]["kv:0"]["heldout_r2"] > 0.9999
 
 
+def test_float32_products_match_float64_moments():
+    """What the calibration passes use (one context's products in float32 into float64 sums) against float64."""
+    gen = torch.Generator().manual_seed(3)
+    header = {"sender": "s", "receiver": "r", "sender_kv": "a", "receiver_kv": "b"}
+    both = [PairStatistics.empty(header) for _ in range(2)]
+    for _ in range(3):
+        x, y = torch.randn(2000, 64, generator=gen) + 3.0, torch.randn(2000, 16, generator=gen)
+        for stats, dtype in zip(both, (torch.float32, torch.float64)):
+            stats.add("kv:0", [0], x, y, count_tokens=True, product_dtype=dtype)
+            stats.end_context()
+    low, high = both
+    for a, b in ((low.features["x0"].xx, high.features["x0"].xx), (low.targets["kv:0"].xy, high.targets["kv:0"].xy)):
+        assert a.dtype == torch.float64
+        assert ((a - b).norm() / b.norm()).item() < 1e-6
+
+
 def test_r2_from_moments_matches_direct_computation():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(6, 4, generator=gen)
@@ -138,6 +154,26 @@ def test_split_zero_is_a_full_prefill(arch_twins):
     assert mid.cache.get_seq_length() == len(prompt) - prompt.suffix_ids.numel()
     with pytest.raises(ValueError, match="split must be"):
         transfer(receiver, prompt, feats, mapper, split=99)
+
+
+def test_receiver_targets_equal_the_context_run_on_the_prefix_cache(arch_twins):
+    """The targets come from one forward over prefix + context; they must be the keys/values and stream the
+    receiver computes for the context on top of its own prefix cache (sliding-window layers included)."""
+    from cachecert_agents.transfer.features import receiver_targets
+
+    _, receiver = arch_twins
+    prompt = receiver.format_prompt(CONTEXTS[0], "where did the cat sit")
+    got = receiver_targets(receiver, prompt, [1, 2], queries=True)
+    n = len(prompt.context_ids)
+    with receiver.capture_qk(keys=True, values=True) as cap:
+        prefix = receiver.prefill(prompt.prefix_ids)
+        out = receiver.forward(prompt.context_ids, prefix.cache, output_hidden_states=True, logits_to_keep=1)
+    for layer in range(receiver.geometry.num_layers):
+        want = flatten_kv(cap.key(layer)[:, :, -n:], cap.value(layer)[:, :, -n:])
+        assert torch.allclose(got.kv[layer], want, atol=1e-5)
+    for s in (1, 2):
+        assert torch.allclose(got.hidden[s], out.hidden_states[s].float(), atol=1e-5)
+    assert got.qk.key(0).shape[2] == prompt.context_span[1]  # prefix + context recorded for the query statistics
 
 
 def test_pair_header_names_both_models(twins):
