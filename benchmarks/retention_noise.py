@@ -1,0 +1,130 @@
+"""How much of the CTI's rank correlation the retention table's own noise allows.
+
+Each retention is a ratio of mean task scores over 31-83 questions with nearly binary F1, so its 95% interval
+spans about +-0.3. A perfect predictor of the *true* retention would still correlate imperfectly with the
+*measured* one. This script measures that from the per-example records, with no model run:
+
+- ``spearman_cti_bootstrap``: the CTI's Spearman against retention recomputed on bootstrap resamples of each pair's
+  questions (paired across that pair's methods and the full-prefill reference): what the reported figure could
+  have been with other draws of the questions.
+- ``split_half``: the questions of each pair are split at random in two halves and retention recomputed on each;
+  the Spearman between the two halves' rankings is the table's split-half reliability ``r``. The Spearman-Brown
+  step ``2 r / (1 + r)`` estimates the full-length reliability ``R``, and ``sqrt(R)`` the highest correlation a
+  predictor of the true retention could expect against the measured one (the attenuation bound of classical test
+  theory, Spearman 1904; exact for Pearson correlation under additive noise, an approximation for ranks).
+
+Pairs are resampled independently of each other (receivers' full-prefill references shared between pairs are not
+tied together).
+
+    python benchmarks/retention_noise.py --cti docs/results/cti_k4_p1.json --out docs/results/cti_retention_noise.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cachecert_agents.cli import write_json_atomic
+from cachecert_agents.eval.cti_eval import spearman
+from cachecert_agents.eval.transfer_eval import artifact_stem
+from cachecert_agents.jsonl import read_jsonl
+
+
+def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, methods: list[str]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(transfer [methods, ids], full [ids])`` task scores; NaN where a method lacks an example."""
+    records = read_jsonl(results_dir / f"{artifact_stem(sender, receiver, workload)}.jsonl")
+    full = {r["id"]: r["score"] for r in read_jsonl(results_dir / "full" / f"{receiver}__{workload}.jsonl")}
+    latest = {(r["id"], r["method"]): r["score"] for r in records if r["id"] in full}
+    ids = sorted({i for i, m in latest if m in methods})
+    transfer = np.array([[latest.get((i, m), np.nan) for i in ids] for m in methods])
+    return transfer, np.array([full[i] for i in ids])
+
+
+def _retention(transfer: np.ndarray, full: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Retention of every method on the examples ``idx`` (with repeats): mean transfer / mean full over the
+    examples the method has."""
+    t = transfer[:, idx]
+    has = ~np.isnan(t)
+    den = np.where(has, full[idx][None], 0.0).sum(1)
+    return np.where(den > 0, np.nansum(t, 1) / np.where(den > 0, den, 1), np.nan)
+
+
+def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], resamples: int, seed: int) -> dict:
+    """The bootstrap and split-half figures of the module docstring over the groups ``data``."""
+    cti = [p["cti"] for pts, _, _ in data for p in pts]
+    rng = np.random.default_rng(seed)
+    boot, halves = [], []
+    for _ in range(resamples):
+        boot.append(spearman(cti, np.concatenate([_retention(t, f, rng.integers(0, f.size, f.size))
+                                                  for _, t, f in data]).tolist()))
+        a, b = [], []
+        for _, t, f in data:
+            perm = rng.permutation(f.size)
+            a.append(_retention(t, f, perm[: f.size // 2]))
+            b.append(_retention(t, f, perm[f.size // 2:]))
+        a, b = np.concatenate(a), np.concatenate(b)
+        ok = ~(np.isnan(a) | np.isnan(b))
+        halves.append(spearman(a[ok].tolist(), b[ok].tolist()))
+    boot, halves = np.array(boot), np.array(halves)
+    r_half = float(np.nanmedian(halves))
+    r_full = 2 * r_half / (1 + r_half)
+
+    def summary(v: np.ndarray) -> dict:
+        v = v[~np.isnan(v)]
+        return {"median": float(np.median(v)), "mean": float(v.mean()), "std": float(v.std()),
+                "q05": float(np.quantile(v, 0.05)), "q95": float(np.quantile(v, 0.95)), "resamples": int(v.size)}
+
+    return {"n_points": len(cti), "n_groups": len(data),
+            "spearman_cti_measured": spearman(cti, [p["retention"] for pts, _, _ in data for p in pts]),
+            "spearman_cti_bootstrap": summary(boot), "split_half": summary(halves),
+            "reliability_spearman_brown": r_full, "attenuation_ceiling": float(np.sqrt(max(r_full, 0.0)))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cti", default="docs/results/cti_k4_p1.json", help="a `cachecert cti --all` result")
+    ap.add_argument("--results-dir", default="docs/results/transfer", help="the per-example transfer records")
+    ap.add_argument("--resamples", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-full-score", type=float, default=0.1,
+                    help="also report the pairs whose receiver's full-prefill task score reaches this")
+    ap.add_argument("--out", default="docs/results/cti_retention_noise.json")
+    args = ap.parse_args()
+    points = json.loads(Path(args.cti).read_text())["results"]["retention"]["points"]
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
+    data = []
+    for (sender, receiver, workload), pts in groups.items():
+        transfer, full = _group_scores(Path(args.results_dir), sender, receiver, workload, [p["method"] for p in pts])
+        recomputed = _retention(transfer, full, np.arange(full.size))
+        for p, r in zip(pts, recomputed):
+            if not np.isclose(p["retention"], r, atol=1e-9):
+                raise ValueError(f"{sender}->{receiver} {workload} {p['method']}: the records give retention {r}, "
+                                 f"the table {p['retention']}")
+        data.append((pts, transfer, full))
+    result = {
+        "command": "python " + shlex.join(sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cti_file": args.cti,
+        "examples_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": int(f.size)
+                               for pts, _, f in data},
+        "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": float(f.mean())
+                                 for pts, _, f in data},
+        "all_points": _noise(data, args.resamples, args.seed),
+        f"receivers_scoring_at_least_{args.min_full_score}": _noise(
+            [g for g in data if g[2].mean() >= args.min_full_score], args.resamples, args.seed),
+    }
+    write_json_atomic(Path(args.out), result)
+    print(json.dumps({k: v for k, v in result.items() if isinstance(v, dict) and "n_points" in v}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
