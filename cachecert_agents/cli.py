@@ -359,11 +359,11 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cti_eval import correlate, pair_attention_cosine, pair_cti, small_cti_inputs
+    from cachecert_agents.eval.cti_eval import (correlate, pair_attention_cosine, pair_cti, pairs_with_mappers,
+                                                small_cti_inputs)
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
-    from cachecert_agents.paths import cache_home
 
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
     if args.retention_workload and len(workloads) > 1:
@@ -378,9 +378,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             # statistics pass, every pair with a mapper (hence retention) on the retention workload
             listed = (args.retention_workload if args.statistics_contexts and args.retention_workload
                       else workload.name)
-            pairs = sorted({tuple(p.name.split("__")[:2])
-                            for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
-                            if p.name.split("__")[2].startswith(f"{listed}.")})
+            pairs = pairs_with_mappers(listed)
         else:
             pairs = [args.pair]
         for sender, receiver in pairs:

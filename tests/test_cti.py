@@ -361,3 +361,16 @@ def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
     assert "at n=1, " in text and "n=10 (extrapolated)" in text and "tiny-a -> tiny-b" in text
     with pytest.raises(ValueError, match="needs 9"):
         cti_cost(sender, receiver, _tiny_workload(), [1], mapper_contexts=5)
+
+
+def test_pairs_with_mappers_lists_default_mappers_of_the_workload(cache_home):
+    """What `cachecert cti --all` ranks: one entry per pair with a default mapper for the workload."""
+    from cachecert_agents.eval.cti_eval import pairs_with_mappers
+
+    mappers = cache_home / "mappers"
+    mappers.mkdir(parents=True)
+    for stem in ("a__b__hotpotqa", "a__b__hotpotqa__w13", "c__b__hotpotqa", "a__b__squad-long", "c__d__musique"):
+        (mappers / f"{stem}.stats.json").write_text("{}")
+    assert pairs_with_mappers("hotpotqa") == [("a", "b"), ("c", "b")]
+    assert pairs_with_mappers("squad-long") == [("a", "b")]
+    assert pairs_with_mappers("report") == []

@@ -119,6 +119,13 @@ def propagation(stats: PairStatistics, stats_stem: str, receiver: ModelHandle, w
     return moments, seconds
 
 
+def pairs_with_mappers(workload: str) -> list[tuple[str, str]]:
+    """``(sender, receiver)`` of every default mapper fitted for ``workload`` (its statistics under
+    ``$CACHECERT_HOME/mappers``; wider or anchored variants, ``...__w13``, are not separate pairs)."""
+    return sorted({tuple(p.name.split("__")[:2]) for p in (cache_home() / "mappers").glob("*__*__*.stats.json")
+                   if p.name.split("__")[2].startswith(f"{workload}.")})
+
+
 def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
                      n_propagation_contexts: int = 2, split_fractions: tuple[float, ...] = (0.25, 0.5),
                      gcv: bool = True) -> CTIInputs:
