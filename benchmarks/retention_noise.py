@@ -36,15 +36,20 @@ from cachecert_agents.eval.transfer_eval import artifact_stem
 from cachecert_agents.jsonl import read_jsonl
 
 
-def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, methods: list[str]
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """``(transfer [methods, ids], full [ids])`` task scores; NaN where a method lacks an example."""
+def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, methods: list[str], n: int,
+                  target: str = "retention") -> tuple[np.ndarray, np.ndarray, float]:
+    """``(transfer [methods, ids], full [ids], mean full-prefill task score)`` over the first ``n`` examples evaluated (a run in
+    progress may have appended more); NaN where a method lacks an example. For
+    ``target="agreement"`` the transfer entries are 0/1 agreement with the full-prefill answer and ``full`` is all
+    ones, so the same ratio of means is the agreement rate."""
     records = read_jsonl(results_dir / f"{artifact_stem(sender, receiver, workload)}.jsonl")
     full = {r["id"]: r["score"] for r in read_jsonl(results_dir / "full" / f"{receiver}__{workload}.jsonl")}
-    latest = {(r["id"], r["method"]): r["score"] for r in records if r["id"] in full}
-    ids = sorted({i for i, m in latest if m in methods})
+    key = "score" if target == "retention" else "agree"
+    latest = {(r["id"], r["method"]): float(r[key]) for r in records if r["id"] in full}
+    ids = list(dict.fromkeys(i for i, m in latest if m in methods))[:n]  # in evaluation order
     transfer = np.array([[latest.get((i, m), np.nan) for i in ids] for m in methods])
-    return transfer, np.array([full[i] for i in ids])
+    return transfer, np.array([full[i] if target == "retention" else 1.0 for i in ids]), float(
+        np.mean([full[i] for i in ids]))
 
 
 def _retention(transfer: np.ndarray, full: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -91,6 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cti", default="docs/results/cti_k4_p1.json", help="a `cachecert cti --all` result")
     ap.add_argument("--results-dir", default="docs/results/transfer", help="the per-example transfer records")
+    ap.add_argument("--target", choices=("retention", "agreement"), default="retention",
+                    help="what the index is correlated with: retention (the issue's target) or the agreement rate "
+                         "with the receiver's full-prefill answer")
     ap.add_argument("--resamples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-full-score", type=float, default=0.1,
@@ -101,26 +109,29 @@ def main() -> None:
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for p in points:
         groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
-    data = []
+    data, full_scores = [], []
     for (sender, receiver, workload), pts in groups.items():
-        transfer, full = _group_scores(Path(args.results_dir), sender, receiver, workload, [p["method"] for p in pts])
+        transfer, full, full_score = _group_scores(Path(args.results_dir), sender, receiver, workload, [p["method"] for p in pts],
+                                       max(p["n"] for p in pts), args.target)
         recomputed = _retention(transfer, full, np.arange(full.size))
         for p, r in zip(pts, recomputed):
-            if not np.isclose(p["retention"], r, atol=1e-9):
-                raise ValueError(f"{sender}->{receiver} {workload} {p['method']}: the records give retention {r}, "
-                                 f"the table {p['retention']}")
+            if not np.isclose(p[args.target], r, atol=1e-9):
+                raise ValueError(f"{sender}->{receiver} {workload} {p['method']}: the records give {args.target} "
+                                 f"{r}, the table {p[args.target]}")
+            p["retention"] = p[args.target]  # what _noise ranks
         data.append((pts, transfer, full))
+        full_scores.append(full_score)
     result = {
         "command": "python " + shlex.join(sys.argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cti_file": args.cti,
+        "cti_file": args.cti, "target": args.target,
         "examples_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": int(f.size)
                                for pts, _, f in data},
-        "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": float(f.mean())
-                                 for pts, _, f in data},
+        "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": score
+                                 for (pts, _, _), score in zip(data, full_scores)},
         "all_points": _noise(data, args.resamples, args.seed),
         f"receivers_scoring_at_least_{args.min_full_score}": _noise(
-            [g for g in data if g[2].mean() >= args.min_full_score], args.resamples, args.seed),
+            [g for g, score in zip(data, full_scores) if score >= args.min_full_score], args.resamples, args.seed),
     }
     write_json_atomic(Path(args.out), result)
     print(json.dumps({k: v for k, v in result.items() if isinstance(v, dict) and "n_points" in v}, indent=1))
