@@ -80,8 +80,8 @@ def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandl
     recorded queries when ``queries`` (the CTI's single pass reuses them).
 
     ``product_dtype``: one context's products are formed in float32 and added to the float64 running sums
-    (:meth:`PairStatistics.add`); on a 3k-token context with 2.7k features that is about 4x faster than float64
-    products, and the rounding (relative ~1e-7 per product over one context) is far below the sampling error."""
+    (:meth:`PairStatistics.add`); on a 3k-token context (SmolLM2 -> Qwen 0.5B) the moment updates took 9 s instead
+    of 18 s, and the rounding (relative ~1e-7 per product over one context) is far below the sampling error."""
     ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
     s_prompt = sender.format_prompt(context, instruction)
     r_prompt = receiver.format_prompt(context, instruction)
