@@ -38,8 +38,8 @@ from cachecert_agents.jsonl import read_jsonl
 
 def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, methods: list[str], n: int,
                   target: str = "retention") -> tuple[np.ndarray, np.ndarray, float]:
-    """``(transfer [methods, ids], full [ids], mean full-prefill task score)`` over the first ``n`` examples evaluated (a run in
-    progress may have appended more); NaN where a method lacks an example. For
+    """``(transfer [methods, ids], full [ids], mean full-prefill task score)`` over the first ``n`` examples
+    evaluated (a run in progress may have appended more); NaN where a method lacks an example. For
     ``target="agreement"`` the transfer entries are 0/1 agreement with the full-prefill answer and ``full`` is all
     ones, so the same ratio of means is the agreement rate."""
     records = read_jsonl(results_dir / f"{artifact_stem(sender, receiver, workload)}.jsonl")
@@ -61,7 +61,7 @@ def _retention(transfer: np.ndarray, full: np.ndarray, idx: np.ndarray) -> np.nd
     return np.where(den > 0, np.nansum(t, 1) / np.where(den > 0, den, 1), np.nan)
 
 
-def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], resamples: int, seed: int) -> dict:
+def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], target: str, resamples: int, seed: int) -> dict:
     """The bootstrap and split-half figures of the module docstring over the groups ``data``."""
     cti = [p["cti"] for pts, _, _ in data for p in pts]
     rng = np.random.default_rng(seed)
@@ -87,7 +87,7 @@ def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], resamples: int
                 "q05": float(np.quantile(v, 0.05)), "q95": float(np.quantile(v, 0.95)), "resamples": int(v.size)}
 
     return {"n_points": len(cti), "n_groups": len(data),
-            "spearman_cti_measured": spearman(cti, [p["retention"] for pts, _, _ in data for p in pts]),
+            "spearman_cti_measured": spearman(cti, [p[target] for pts, _, _ in data for p in pts]),
             "spearman_cti_bootstrap": summary(boot), "split_half": summary(halves),
             "reliability_spearman_brown": r_full, "attenuation_ceiling": float(np.sqrt(max(r_full, 0.0)))}
 
@@ -111,14 +111,13 @@ def main() -> None:
         groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
     data, full_scores = [], []
     for (sender, receiver, workload), pts in groups.items():
-        transfer, full, full_score = _group_scores(Path(args.results_dir), sender, receiver, workload, [p["method"] for p in pts],
-                                       max(p["n"] for p in pts), args.target)
+        transfer, full, full_score = _group_scores(Path(args.results_dir), sender, receiver, workload,
+                                                   [p["method"] for p in pts], max(p["n"] for p in pts), args.target)
         recomputed = _retention(transfer, full, np.arange(full.size))
         for p, r in zip(pts, recomputed):
             if not np.isclose(p[args.target], r, atol=1e-9):
                 raise ValueError(f"{sender}->{receiver} {workload} {p['method']}: the records give {args.target} "
                                  f"{r}, the table {p[args.target]}")
-            p["retention"] = p[args.target]  # what _noise ranks
         data.append((pts, transfer, full))
         full_scores.append(full_score)
     result = {
@@ -129,9 +128,10 @@ def main() -> None:
                                for pts, _, f in data},
         "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": score
                                  for (pts, _, _), score in zip(data, full_scores)},
-        "all_points": _noise(data, args.resamples, args.seed),
+        "all_points": _noise(data, args.target, args.resamples, args.seed),
         f"receivers_scoring_at_least_{args.min_full_score}": _noise(
-            [g for g, score in zip(data, full_scores) if score >= args.min_full_score], args.resamples, args.seed),
+            [g for g, score in zip(data, full_scores) if score >= args.min_full_score], args.target, args.resamples,
+            args.seed),
     }
     write_json_atomic(Path(args.out), result)
     print(json.dumps({k: v for k, v in result.items() if isinstance(v, dict) and "n_points" in v}, indent=1))
