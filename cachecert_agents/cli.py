@@ -189,6 +189,17 @@ def _parse_splits(text: str, num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
+def _parse_percentages(text: str) -> tuple[int, ...]:
+    """'20,35' -> (20, 35): integer percentages in 1..100 (argparse type; a bad value is a usage error)."""
+    try:
+        values = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integer percentages such as 20,35; got {text!r}") from None
+    if not values or not all(0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"percentages must be in 1..100; got {text!r}")
+    return values
+
+
 def _load_pair(args: argparse.Namespace):
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -260,7 +271,7 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                       else build_scorer(sender, receiver, workload, mapper))
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
                                               Path(args.results_dir), scorer=scorer,
-                                              controls=not args.no_controls)
+                                              controls=not args.no_controls, recompute=args.recompute)
             rows = summarise(records, full)
             for row in rows:
                 row["criterion"] = workload.criterion()
@@ -446,14 +457,14 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
     try:
-        _, hidden_width, anchor = parse_method(args.method)
+        _, hidden_width, anchor, recompute = parse_method(args.method)
     except ValueError as err:
         raise CacheCertError(f"--method: {err}") from None
     if anchor is not None:
         raise CacheCertError("--method: anchored methods (+aA) have no risk scores yet, so no certificate")
     if args.screen is not None:
         try:
-            _, screen_width, screen_anchor = parse_method(args.screen)
+            _, screen_width, screen_anchor, _ = parse_method(args.screen)
         except ValueError as err:
             raise CacheCertError(f"--screen: {err}") from None
         if screen_anchor is not None or screen_width != hidden_width:
@@ -488,7 +499,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         splits = [parse_method(m, receiver.geometry.num_layers)[0] for m in (args.method, args.screen) if m]
         mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=hidden_width)
         evaluate_transfer(sender, receiver, workload, mapper, splits, args.n, results_dir,
-                          scorer=build_scorer(sender, receiver, workload, mapper), controls=False)
+                          scorer=build_scorer(sender, receiver, workload, mapper), controls=False,
+                          recompute=(recompute,) if recompute else ())
         labelled, screen_split = labelled_pool()
     stem = mapper_stem(sender_name, receiver_name, args.workload, hidden_width=hidden_width)
     st, js = artifact_paths(stem)
@@ -819,6 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor", type=int, default=None, metavar="A",
                    help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
                         "stream at A too (splits must exceed A; methods are then named ...+aA)")
+    p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
+                   help="also evaluate each split repaired by query-aware selective recompute of P percent of the "
+                        "context tokens (methods ...+rP)")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")

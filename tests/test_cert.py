@@ -89,7 +89,7 @@ def test_scoring_pass_scores_and_answers_like_plain_generation(tiny_pair):
 
 
 def test_context_attention_places_a_sliding_window_at_the_end():
-    from cachecert_agents.cert.scores import context_attention
+    from cachecert_agents.kv.segment import context_attention
 
     full = torch.rand(2, 3, 20)  # 20 positions: prefix 0..3, context 4..16, suffix 17..19
     np.testing.assert_array_equal(context_attention(full, (4, 17), 20), full[..., 4:17])

@@ -247,14 +247,17 @@ def test_wider_residual_stream_window_reads_more_sender_layers(twins):
 def test_method_names_round_trip():
     from cachecert_agents.eval.transfer_eval import method_name, parse_method
 
-    for split, width, anchor in ((3, None, None), (14, 9, None), (28, None, None), (17, 13, 4), (17, None, 2),
-                                 (28, None, 3)):
-        assert parse_method(method_name(split, 28, width, anchor), 28) == (split, width if split < 28 else None,
-                                                                           anchor)
+    for split, width, anchor, pct in ((3, None, None, None), (14, 9, None, None), (28, None, None, None),
+                                      (17, 13, 4, None), (17, None, 2, None), (28, None, 3, None),
+                                      (28, None, None, 30), (14, 9, None, 100)):
+        assert parse_method(method_name(split, 28, width, anchor, pct), 28) == (
+            split, width if split < 28 else None, anchor, pct)
     assert method_name(14, 28, 9) == "split@14+w9" and method_name(28, 28, 9) == "ridge-kv"
     assert method_name(17, 28, 13, 4) == "split@17+w13+a4" and method_name(28, 28, None, 2) == "ridge-kv+a2"
     assert parse_method("split@17+a4").anchor == 4 and parse_method("ridge-kv").split is None
-    for bad in ("split@", "split@x", "kv", "split@3+9", "split@3+a", "ridge-kv+w3"):
+    assert method_name(28, 28, None, None, 35) == "ridge-kv+r35" and parse_method("ridge-kv+r35").recompute == 35
+    for bad in ("split@", "split@x", "kv", "split@3+9", "split@3+a", "ridge-kv+w3", "ridge-kv+r0", "ridge-kv+r101",
+                "ridge-kv+r30+a2"):
         with pytest.raises(ValueError, match="ridge-kv, split@K or split@K\\+wW"):
             parse_method(bad)
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cachecert_agents.kv.segment import context_attention
 from cachecert_agents.models.handle import ForwardOutput, ModelHandle
 from cachecert_agents.transfer.features import SenderFeatures
 from cachecert_agents.transfer.mappers import RidgeMapper
@@ -97,16 +98,6 @@ def kv_error_terms(res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, w
         spread.append(torch.trace(gram @ cov_v[g]))
         energy.append(torch.trace(gram @ (cov_v[g] + torch.outer(mv[g], mv[g]))))
     return key_var, torch.stack(value_err), torch.stack(spread), torch.stack(energy)
-
-
-def context_attention(weights: torch.Tensor, span: tuple[int, int], total: int) -> torch.Tensor:
-    """The suffix queries' attention on the context tokens, ``[heads, m, end - start]``, from one layer's weights
-    ``[heads, m, k]`` over the ``k`` most recent of ``total`` positions. ``k < total`` on a sliding-window layer
-    (Gemma 3), whose cache keeps only the window: context tokens that fell out of it get weight 0."""
-    start, end = span
-    offset = total - weights.shape[-1]
-    kept = weights[..., max(start - offset, 0):max(end - offset, 0)]
-    return torch.nn.functional.pad(kept, (end - start - kept.shape[-1], 0))
 
 
 def entropy_score(logits: torch.Tensor) -> float:

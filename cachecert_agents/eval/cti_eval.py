@@ -245,10 +245,11 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
         if pred is None:
             continue
         try:
-            split_layer, hidden_width, anchor = parse_method(row["method"], max(int(k) for k in pred["splits"]))
+            split_layer, hidden_width, anchor, recompute = parse_method(row["method"],
+                                                                        max(int(k) for k in pred["splits"]))
         except ValueError:
             continue
-        if hidden_width or anchor is not None:  # CTI's split profile describes the default mapper only
+        if hidden_width or anchor is not None or recompute:  # CTI's split profile describes the default mapper only
             continue
         split = str(split_layer)
         sp = pred["splits"].get(split)

@@ -42,11 +42,13 @@ from cachecert_agents.transfer.statistics import PairStatistics
 logger = logging.getLogger(__name__)
 
 
-def method_name(split: int, num_layers: int, hidden_width: int | None = None, anchor: int | None = None) -> str:
+def method_name(split: int, num_layers: int, hidden_width: int | None = None, anchor: int | None = None,
+                recompute: int | None = None) -> str:
     """``ridge-kv`` (``split == num_layers``), ``split@s``, ``split@s+wW`` for a residual-stream map that reads
-    ``W`` sender layers, and ``+aA`` for an anchored mapper (the receiver computes its layers below ``A``; see
-    :func:`build_mapper`)."""
-    tail = f"+a{anchor}" if anchor is not None else ""
+    ``W`` sender layers, ``+aA`` for an anchored mapper (the receiver computes its layers below ``A``; see
+    :func:`build_mapper`), and ``+rP`` for query-aware selective recompute of ``P`` percent of the context tokens
+    (:mod:`cachecert_agents.transfer.repair`)."""
+    tail = (f"+a{anchor}" if anchor is not None else "") + (f"+r{recompute}" if recompute else "")
     if split == num_layers:
         return "ridge-kv" + tail
     return f"split@{split}" + (f"+w{hidden_width}" if hidden_width else "") + tail
@@ -54,22 +56,25 @@ def method_name(split: int, num_layers: int, hidden_width: int | None = None, an
 
 class MethodSpec(NamedTuple):
     """A transfer method's parts: split layer (``num_layers`` for pure KV, None when unknown), residual-stream
-    window (None: default) and anchor (None: sender features only)."""
+    window (None: default), anchor (None: sender features only) and selective recompute (percent of the context
+    tokens, None: none)."""
 
     split: int | None
     hidden_width: int | None
     anchor: int | None
+    recompute: int | None = None
 
 
 def parse_method(method: str, num_layers: int | None = None) -> MethodSpec:
     """Inverse of :func:`method_name`; the split of ``ridge-kv`` is ``num_layers`` (None when not given). Raises
     ``ValueError`` naming the accepted forms."""
-    m = re.fullmatch(r"(?:ridge-kv|split@(\d+)(?:\+w(\d+))?)(?:\+a(\d+))?", method)
-    if m is None:
-        raise ValueError(f"method must be ridge-kv, split@K or split@K+wW, each optionally +aA, got {method!r}")
+    m = re.fullmatch(r"(?:ridge-kv|split@(\d+)(?:\+w(\d+))?)(?:\+a(\d+))?(?:\+r(\d+))?", method)
+    if m is None or (m.group(4) is not None and not 0 < int(m.group(4)) <= 100):
+        raise ValueError(f"method must be ridge-kv, split@K or split@K+wW, each optionally +aA and/or +rP "
+                         f"(P percent, 1-100), got {method!r}")
     to_int = lambda g: int(g) if g else None  # noqa: E731
     split = to_int(m.group(1)) if method.startswith("split@") else num_layers
-    return MethodSpec(split, to_int(m.group(2)), to_int(m.group(3)))
+    return MethodSpec(split, to_int(m.group(2)), to_int(m.group(3)), to_int(m.group(4)))
 
 
 def artifact_stem(sender: str, receiver: str, workload: str) -> str:
@@ -154,7 +159,7 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
-                      offset: int = 0) -> tuple[list[dict], list[dict]]:
+                      offset: int = 0, recompute: tuple[int, ...] = ()) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -163,7 +168,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips the
     no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
     ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
-    records of different subsets in different ``results_dir``."""
+    records of different subsets in different ``results_dir``. ``recompute`` (percentages) adds, for every
+    split, the transfer repaired by query-aware selective recompute of that share of the context (``...+rP``)."""
     L = receiver.geometry.num_layers
     width, anchor = mapper.header.get("hidden_width"), mapper.anchor
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
@@ -178,7 +184,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        methods = [method_name(s, L, width, anchor) for s in splits]
+        variants = [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]
+        methods = [method_name(s, L, width, anchor, p) for s, p in variants]
         methods += ["no-context", "sender", "random-map"] if controls else []
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
@@ -216,12 +223,13 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         if controls and (ex.id, "sender") not in done:
             record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
-        for s in splits:
-            m = method_name(s, L, width, anchor)
+        for s, pct in variants:
+            m = method_name(s, L, width, anchor, pct)
             if (ex.id, m) in done:
                 continue
             feats = feats or sender_features(sender, s_prompt)
-            result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache)
+            result = transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix_cache,
+                              recompute=(pct or 0) / 100)
             extra: dict[str, Any] = {}
             if scorer is None:
                 gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
@@ -230,6 +238,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                                                       result.features)
                 gen = receiver.decode(out.cache, out.logits[-1], **gen_kw)
                 extra = {"risk": risk, **cost}
+            if pct:
+                extra["recomputed_tokens"] = result.recomputed
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
                    alignment=result.coverage, **extra)
         if controls and (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split

@@ -206,3 +206,13 @@ class KVSegment:
     def __repr__(self) -> str:
         return (f"KVSegment({self.geometry.model_type}, length={self.length}, layers={len(self.layers)}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+def context_attention(weights: torch.Tensor, span: tuple[int, int], total: int) -> torch.Tensor:
+    """The suffix queries' attention on the context tokens, ``[heads, m, end - start]``, from one layer's weights
+    ``[heads, m, k]`` over the ``k`` most recent of ``total`` positions. ``k < total`` on a sliding-window layer
+    (Gemma 3), whose cache keeps only the window: context tokens that fell out of it get weight 0."""
+    start, end = span
+    offset = total - weights.shape[-1]
+    kept = weights[..., max(start - offset, 0):max(end - offset, 0)]
+    return torch.nn.functional.pad(kept, (end - start - kept.shape[-1], 0))

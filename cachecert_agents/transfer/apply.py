@@ -44,6 +44,7 @@ class TransferResult:
     transfer_s: float
     coverage: dict | None = None
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
+    recomputed: int = 0  # context tokens whose keys/values the receiver recomputed (selective recompute)
 
 
 class MappedLayer(torch.nn.Module):
@@ -138,7 +139,7 @@ def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatur
 @torch.inference_mode()
 def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeatures, mapper: RidgeMapper,
              split: int, prefix_cache: Any | None = None, true_targets: Any | None = None,
-             oracle: str | None = None) -> TransferResult:
+             oracle: str | None = None, recompute: float = 0.0) -> TransferResult:
     """Build the receiver's cache for ``prompt.prefix + prompt.context`` from the sender's ``features``.
 
     ``prefix_cache`` is the receiver's own cache of ``prompt.prefix_ids`` (computed when None; it is copied, not
@@ -148,6 +149,10 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     ``oracle="kv"`` uses the true keys/values below the split instead of mapped ones, and ``oracle="hidden"``
     the true residual stream at the split, so the two parts' share of the error can be measured apart;
     ``oracle="both"`` reproduces a full prefill (a check of the machinery).
+
+    ``recompute > 0``: then repair the cache by query-aware selective recompute
+    (:mod:`cachecert_agents.transfer.repair`): the receiver computes its own keys/values for that fraction of the
+    context tokens, those ``prompt.suffix_ids`` attends to most on the transferred cache. Its time is included.
     """
     import copy
 
@@ -195,5 +200,13 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         else:
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
+    recomputed = 0
+    if recompute > 0 and split > 0:
+        from cachecert_agents.transfer.repair import recompute_tokens, select_chunks, suffix_relevance
+
+        index = select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), recompute)
+        recompute_tokens(receiver, cache, prompt.context_ids, start, index)
+        recomputed = int(index.numel())
     elapsed = time.perf_counter() - t0
-    return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features)
+    return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
+                          recomputed)

@@ -1,0 +1,119 @@
+"""Query-aware selective recompute: repair a transferred cache where the request needs it.
+
+A pure KV transfer (``ridge-kv``) is nearly free but its keys/values are only approximately the receiver's own,
+which is too coarse for retrieval from a long context. Selective recompute (in the spirit of CacheBlend, Yao et
+al. 2024, "CacheBlend: Fast Large Language Model Serving for RAG with Cached Knowledge Fusion") lets the receiver
+compute its own keys/values, at every layer, for a chosen fraction ``r`` of the context tokens, attending (causally,
+by position) to the transferred keys/values of the rest. Here the tokens are chosen by the request itself: the
+receiver runs its suffix (question, instruction) once over the transferred cache, and the context chunks that the
+suffix's queries attend to most are recomputed. Work: about ``r`` of a context prefill, plus one suffix pass.
+
+- :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache;
+- :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
+- :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
+  cache in place (``r = 1`` reproduces a full prefill; tested).
+
+Receivers with sliding-window layers (Gemma 3) are refused: their cache keeps only the window, so the tokens'
+rows cannot be overwritten in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from cachecert_agents.kv.segment import context_attention
+from cachecert_agents.models.handle import ModelHandle
+
+
+class ScatterCache:
+    """The cache seen by one :func:`recompute_tokens` pass. It wraps a full cache whose layer ``l`` holds keys and
+    values ``[1, kv_heads, N, head_dim]`` for every position ``0 .. N-1``; ``update`` overwrites the rows at
+    ``index`` (``[r]``, the recomputed tokens' positions) with the new keys/values ``[1, kv_heads, r, head_dim]``
+    and returns the full tensors, so the chosen tokens attend to the cached rows and to each other."""
+
+    def __init__(self, cache: Any, index: torch.Tensor):
+        self.cache, self.index = cache, index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.cache.layers[layer_idx]
+        layer.keys[:, :, self.index] = key_states.to(layer.keys.dtype)
+        layer.values[:, :, self.index] = value_states.to(layer.values.dtype)
+        return layer.keys, layer.values
+
+
+def _check_receiver(receiver: ModelHandle) -> None:
+    if receiver.geometry.sliding_layers:
+        raise ValueError(f"selective recompute needs a receiver without sliding-window layers; {receiver.name} has "
+                         f"{len(receiver.geometry.sliding_layers)} (its cache keeps only the window)")
+
+
+@torch.inference_mode()
+def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
+                     span: tuple[int, int]) -> torch.Tensor:
+    """How much the request's suffix ``[m]`` attends to each context token ``[n = end - start]`` of ``cache``
+    (the transferred cache over ``prefix + context``, length ``end``): attention weights summed over layers, heads
+    and suffix tokens. The suffix pass is undone afterwards (the cache is cropped back to ``end``)."""
+    _check_receiver(receiver)
+    start, end = span
+    out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
+    total = end + int(suffix_ids.numel())
+    relevance = torch.zeros(end - start, dtype=torch.float64)
+    for weights in out.attentions:  # [heads, m, total]
+        relevance += context_attention(weights, span, total).double().sum((0, 1)).cpu()
+    cache.crop(-int(suffix_ids.numel()))
+    return relevance
+
+
+def select_chunks(relevance: torch.Tensor, fraction: float, chunk: int = 16) -> torch.Tensor:
+    """Indices (sorted, ``[k]``, ``k = min(n, ceil(fraction * n))``) of the context tokens to recompute: the
+    context ``[n]`` is cut into consecutive chunks of ``chunk`` tokens, chunks are taken by their summed relevance,
+    highest first, and the last one taken is trimmed to the budget. Whole chunks keep the phrases a question
+    retrieves intact."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n = relevance.numel()
+    budget = min(n, math.ceil(fraction * n))
+    if budget == 0:
+        return torch.zeros(0, dtype=torch.long)
+    starts = torch.arange(0, n, chunk)
+    totals = torch.stack([relevance[s:s + chunk].sum() for s in starts.tolist()])
+    order = torch.argsort(totals, descending=True, stable=True)
+    picked: list[torch.Tensor] = []
+    left = budget
+    for c in order.tolist():
+        idx = torch.arange(int(starts[c]), min(int(starts[c]) + chunk, n))[:left]
+        picked.append(idx)
+        left -= idx.numel()
+        if left == 0:
+            break
+    return torch.sort(torch.cat(picked)).values
+
+
+@torch.inference_mode()
+def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tensor, start: int,
+                     index: torch.Tensor) -> None:
+    """Overwrite, in place, the keys/values of context tokens ``index`` (``[k]``, offsets into ``context_ids``
+    ``[n]``, which sit at positions ``start .. start + n - 1`` of ``cache``) with the receiver's own, computed at
+    every layer. Each chosen token attends to every cached position up to its own (the cache's rows for the
+    others, the new rows for the chosen ones), so ``index = all`` reproduces the receiver's full prefill."""
+    _check_receiver(receiver)
+    if index.numel() == 0:
+        return
+    total = start + int(context_ids.numel())
+    if cache.get_seq_length() != total:
+        raise ValueError(f"cache holds {cache.get_seq_length()} positions; expected prefix + context = {total}")
+    positions = (index + start).to(receiver.device)
+    allowed = torch.arange(total, device=receiver.device)[None, :] <= positions[:, None]  # [k, total]
+    dtype = receiver.model.dtype
+    # additive (0 / most negative), which eager and SDPA attention both read the same way; 4-D masks pass as-is
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=receiver.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[None, None]
+    receiver.model(input_ids=context_ids.reshape(-1)[index].reshape(1, -1).to(receiver.device),
+                   position_ids=positions.reshape(1, -1), attention_mask=mask,
+                   cache=ScatterCache(cache, positions), use_cache=True, logits_to_keep=1)

@@ -1,0 +1,106 @@
+"""Query-aware selective recompute (transfer/repair.py) on tiny models: chunk selection, exactness of recomputed
+rows, r = 1 is a full prefill, refusal of sliding-window receivers."""
+
+import copy
+
+import pytest
+import torch
+
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.calibrate import collect_statistics
+from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.repair import recompute_tokens, select_chunks, suffix_relevance
+from tests.conftest import tiny_model
+
+CONTEXT = "the cat sat on the mat and the dog ran in the park where the cat sat " * 2
+QUESTION = "where did the cat sit"
+
+
+def test_select_chunks_takes_whole_chunks_by_total_relevance_and_trims_to_budget():
+    rel = torch.zeros(40)  # chunks of 8: 0-7, 8-15, 16-23, 24-31, 32-39
+    rel[20:24] = 5.0   # chunk 16-23 totals 20
+    rel[0] = 3.0       # chunk 0-7 totals 3
+    rel[35] = 1.0      # chunk 32-39 totals 1
+    assert select_chunks(rel, 0.4, chunk=8).tolist() == list(range(0, 8)) + list(range(16, 24))
+    # 20 tokens: the two best chunks, then the first 4 tokens of the third
+    assert select_chunks(rel, 0.5, chunk=8).tolist() == list(range(0, 8)) + list(range(16, 24)) + [32, 33, 34, 35]
+    assert select_chunks(rel, 0.0).numel() == 0
+    assert select_chunks(rel, 1.0, chunk=7).tolist() == list(range(40))
+    with pytest.raises(ValueError, match="fraction"):
+        select_chunks(rel, 1.5)
+
+
+def _pair(arch: str, tokenizer) -> tuple[ModelHandle, ModelHandle, RidgeMapper]:
+    """Sender and receiver with DIFFERENT weights, and a (poor) ridge mapper between them."""
+    sender = ModelHandle("tiny-a", tiny_model(arch, seed=7), tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model(arch, seed=8), tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    texts = [tokenizer.decode(torch.randint(4, 320, (80,), generator=gen)) for _ in range(3)]
+    stats = collect_statistics(sender, receiver, [(t, QUESTION) for t in texts], [], progress=False)
+    return sender, receiver, RidgeMapper.fit(stats, rho=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_recomputing_every_token_reproduces_the_full_prefill(arch, tiny_tokenizer):
+    sender, receiver, mapper = _pair(arch, tiny_tokenizer)
+    L = receiver.geometry.num_layers
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    exact = receiver.forward(prompt.input_ids, logits_to_keep=1).logits[-1]
+    mapped = transfer(receiver, prompt, feats, mapper, split=L)
+    off = receiver.continue_from(mapped.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert not torch.allclose(off, exact, atol=1e-3)  # the mapper is poor: the repair has work to do
+    repaired = transfer(receiver, prompt, feats, mapper, split=L, recompute=1.0)
+    assert repaired.recomputed == prompt.context_ids.numel()
+    assert repaired.cache.get_seq_length() == prompt.context_span[1]
+    got = receiver.continue_from(repaired.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(got, exact, atol=1e-4), (got - exact).abs().max()
+
+
+def test_recomputed_rows_are_exact_where_their_past_is_and_other_rows_are_untouched(tiny_tokenizer):
+    sender, receiver, mapper = _pair("llama", tiny_tokenizer)
+    L = receiver.geometry.num_layers
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    start, end = prompt.context_span
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    cache = transfer(receiver, prompt, feats, mapper, split=L).cache
+    before = copy.deepcopy(cache)
+    full = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
+    # a leading run of the context: its past (prefix + itself) is exact, so its rows are exact at every layer
+    lead = torch.arange(0, 6)
+    # a later token: exact at layer 0 only (its keys there depend on its own embedding and position)
+    late = torch.tensor([20])
+    recompute_tokens(receiver, cache, prompt.context_ids, start, torch.cat([lead, late]))
+    for layer in range(L):
+        got, want, old = cache.layers[layer], full.layers[layer], before.layers[layer]
+        torch.testing.assert_close(got.keys[:, :, start:start + 6], want.keys[:, :, start:start + 6],
+                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values[:, :, start:start + 6], want.values[:, :, start:start + 6],
+                                   atol=1e-5, rtol=1e-4)
+        untouched = [i for i in range(end) if not start <= i < start + 6 and i != start + 20]
+        assert torch.equal(got.keys[:, :, untouched], old.keys[:, :, untouched])
+    torch.testing.assert_close(cache.layers[0].keys[:, :, start + 20], full.layers[0].keys[:, :, start + 20],
+                               atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="expected prefix \\+ context"):
+        recompute_tokens(receiver, full, prompt.context_ids[:-1], start, lead)
+
+
+def test_suffix_relevance_leaves_the_cache_as_it_was(tiny_tokenizer):
+    sender, receiver, mapper = _pair("qwen2", tiny_tokenizer)
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    cache = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
+    before = copy.deepcopy(cache)
+    rel = suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)
+    assert rel.shape == (prompt.context_ids.numel(),) and bool((rel >= 0).all()) and float(rel.sum()) > 0
+    assert cache.get_seq_length() == before.get_seq_length()
+    assert torch.equal(cache.layers[-1].keys, before.layers[-1].keys)
+
+
+def test_sliding_window_receivers_are_refused(tiny_tokenizer):
+    sender, receiver, mapper = _pair("gemma3", tiny_tokenizer)
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    with pytest.raises(ValueError, match="sliding-window"):
+        transfer(receiver, prompt, feats, mapper, split=receiver.geometry.num_layers, recompute=0.5)
