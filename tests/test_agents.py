@@ -52,13 +52,14 @@ def artifacts(pair, tmp_path):
     fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
 
     def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None,
-                    threshold: float | None = None, screen: bool = False) -> str:
+                    threshold: float | None = None, screen: bool = False, method: str | None = None) -> str:
         n = 50
         cert = build_certificate([str(i) for i in range(n)], np.linspace(0, 1, n), np.full(n, float(all_unsafe)),
                                  alpha=0.02 if all_unsafe else alpha, delta=None, sender="tiny-s", receiver="tiny-r",
                                  pair_fingerprints=fps,
                                  mapper_fingerprint=file_fingerprint(tmp_path / "mapper.safetensors"),
-                                 workload="report", method="ridge-kv" if split is None else f"split@{split}",
+                                 workload="report",
+                                 method=method or ("ridge-kv" if split is None else f"split@{split}"),
                                  split=receiver.geometry.num_layers if split is None else split, score="geometry",
                                  score_definition=score_definition("geometry"))
         if threshold is not None:
@@ -188,6 +189,16 @@ def test_a_screened_certificate_scores_the_cheap_transfer_and_serves_the_split_o
     text, decision = refusing.generate("tiny-r", CONTEXT, "write")
     assert decision.action == "prefill" and "ridge-kv screen" in decision.reason
     assert text == plain_answer(receiver, CONTEXT, "write")
+
+
+def test_a_selective_recompute_certificate_is_served_with_its_recompute(pair, artifacts, tmp_path):
+    """A ridge-kv+r100 certificate: the runtime must recompute every context token (what was certified), so the
+    served answer is the receiver's own and nothing counts as avoided."""
+    runtime = make_runtime(pair, tmp_path, artifacts("r100.json", method="ridge-kv+r100"))
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "transfer" and decision.prefill_tokens_avoided == 0
+    assert text == plain_answer(pair[1], CONTEXT, "write")
 
 
 def test_a_certificate_that_accepts_nothing_is_not_even_tried(pair, artifacts, tmp_path):

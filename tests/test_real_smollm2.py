@@ -229,3 +229,34 @@ def test_screened_certificate_on_the_real_model(smollm2, tmp_path):
     assert decision.prefill_tokens_avoided == int(decision.context_tokens * 4 / L)
     assert "tangerine" in text.lower()
     runtime.close()
+
+
+def test_selective_recompute_on_the_real_model(smollm2):
+    """SmolLM2 -> itself through a ridge KV map fitted on ~1,200 tokens: the question's attention on the
+    transferred cache finds the one sentence that answers it (the chunk selected at 10% holds it), and recomputing
+    every token reproduces the full prefill's next-token logits."""
+    from cachecert_agents.transfer.apply import transfer
+    from cachecert_agents.transfer.calibrate import collect_statistics
+    from cachecert_agents.transfer.features import sender_features
+    from cachecert_agents.transfer.mappers import RidgeMapper
+    from cachecert_agents.transfer.repair import select_chunks, suffix_relevance
+
+    sample = context_of_tokens(smollm2, 1200)
+    texts = [sample[i * len(sample) // 8:(i + 1) * len(sample) // 8] for i in range(8)]
+    stats = collect_statistics(smollm2, smollm2, [(t, "Summarise.") for t in texts], [], progress=False)
+    mapper = RidgeMapper.fit(stats, rho=1e-2)
+    needle = " The secret code word is 'tangerine'. "
+    context = sample[:len(sample) // 2] + needle + sample[len(sample) // 2:]
+    prompt = smollm2.format_prompt(context, "What is the secret code word?")
+    at = context.index(needle) + 1
+    needle_tokens = [i for i, (a, b) in enumerate(prompt.context_offsets.tolist()) if a < at + len(needle) - 2 and b > at]
+    L = smollm2.geometry.num_layers
+    feats = sender_features(smollm2, prompt)
+    cache = transfer(smollm2, prompt, feats, mapper, split=L).cache
+    relevance = suffix_relevance(smollm2, cache, prompt.suffix_ids, prompt.context_span)
+    chosen = set(select_chunks(relevance, 0.1).tolist())
+    assert len(chosen & set(needle_tokens)) >= len(needle_tokens) // 2, (needle_tokens, sorted(chosen))
+    exact = smollm2.forward(prompt.input_ids, logits_to_keep=1).logits[-1]
+    repaired = transfer(smollm2, prompt, feats, mapper, split=L, recompute=1.0)
+    got = smollm2.continue_from(repaired.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(got, exact, atol=1e-3), (got - exact).abs().max()

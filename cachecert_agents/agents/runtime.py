@@ -296,10 +296,16 @@ class CacheCertRuntime:
                 reasons.append(f"the certificate for {holder.model}->{handle.name} accepts no transfer")
                 continue
             try:
+                from cachecert_agents.eval.transfer_eval import parse_method
+
+                # a +rP method repairs the transfer by selective recompute: serve exactly what was certified
+                served_r = (parse_method(cert.method).recompute or 0) / 100
+                score_r = ((parse_method(cert.screen_method).recompute or 0) / 100 if cert.screen_method
+                           else served_r)
                 prefix_cache = self._prefix_cache(handle, prompt)
                 # the score is computed on the certificate's score transfer: the served one, or a cheaper screen
                 result = transfer(handle, prompt, holder.features, route.mapper, cert.score_split,
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, recompute=score_r)
                 scores, out, cost = route.scorer.scoring_pass(result.cache, prompt.suffix_ids, prompt.context_span,
                                                               cert.score_split, result.features,
                                                               geometry=cert.score == "geometry")
@@ -314,7 +320,7 @@ class CacheCertRuntime:
                     continue
                 if cert.screen_split is not None:  # accepted by the screen: now run the served transfer
                     result = transfer(handle, prompt, holder.features, route.mapper, cert.split,
-                                      prefix_cache=prefix_cache)
+                                      prefix_cache=prefix_cache, recompute=served_r)
                     out = handle.forward(prompt.suffix_ids, cache=result.cache, logits_to_keep=1)
                     spent_s += result.transfer_s
                 base = dict(sender=holder.model, score_name=cert.score, score=score, lam=cert.lam, alpha=cert.alpha,
@@ -326,7 +332,8 @@ class CacheCertRuntime:
                     self.metrics.errors += 1
                 reasons.append(f"transfer from {holder.model} failed: {exc!r}")
                 continue
-            avoided = int(prompt.context_ids.numel() * cert.split / handle.geometry.num_layers)
+            avoided = max(0, int(prompt.context_ids.numel() * cert.split / handle.geometry.num_layers)
+                          - result.recomputed)
             decision = Decision(node, handle.name, "transfer",
                                 f"certified transfer from {holder.model} ({cert.method}, {cert.control.upper()} "
                                 f"alpha={cert.alpha:g})", int(prompt.context_ids.numel()),

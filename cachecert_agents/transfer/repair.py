@@ -55,15 +55,17 @@ def _check_receiver(receiver: ModelHandle) -> None:
 def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
                      span: tuple[int, int]) -> torch.Tensor:
     """How much the request's suffix ``[m]`` attends to each context token ``[n = end - start]`` of ``cache``
-    (the transferred cache over ``prefix + context``, length ``end``): attention weights summed over layers, heads
-    and suffix tokens. The suffix pass is undone afterwards (the cache is cropped back to ``end``)."""
+    (the transferred cache over ``prefix + context``, length ``end``): per layer, the largest attention weight any
+    head and suffix token puts on the token, summed over layers. The maximum over heads singles out the sharp
+    (retrieval) heads; a plain sum is dominated by attention sinks (frequent function words), which every head
+    touches a little. The suffix pass is undone afterwards (the cache is cropped back to ``end``)."""
     _check_receiver(receiver)
     start, end = span
     out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
     total = end + int(suffix_ids.numel())
     relevance = torch.zeros(end - start, dtype=torch.float64)
     for weights in out.attentions:  # [heads, m, total]
-        relevance += context_attention(weights, span, total).double().sum((0, 1)).cpu()
+        relevance += context_attention(weights, span, total).double().amax((0, 1)).cpu()
     cache.crop(-int(suffix_ids.numel()))
     return relevance
 
