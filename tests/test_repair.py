@@ -104,3 +104,31 @@ def test_sliding_window_receivers_are_refused(tiny_tokenizer):
     feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
     with pytest.raises(ValueError, match="sliding-window"):
         transfer(receiver, prompt, feats, mapper, split=receiver.geometry.num_layers, recompute=0.5)
+
+
+def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_tokenizer, tmp_path):
+    """End to end on tiny models: ``--recompute`` adds ``ridge-kv+rP`` (with its recomputed token count) and the
+    ``pruned-context@P`` control (a prefill of the same P percent of the tokens), and a rerun resumes."""
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+    from tests.conftest import tiny_workload
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
+    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
+    L = receiver.geometry.num_layers
+    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    records, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                      progress=False, recompute=(30, 100))
+    by = {r["method"]: r for r in records}
+    assert {"ridge-kv", "ridge-kv+r30", "ridge-kv+r100", "pruned-context@30", "pruned-context@100", "no-context",
+            "sender", "random-map"} == set(by)
+    n = len(receiver.format_prompt(CONTEXT, QUESTION).context_ids)
+    assert by["ridge-kv+r100"]["recomputed_tokens"] == n and by["pruned-context@100"]["recomputed_tokens"] == n
+    assert by["ridge-kv+r30"]["recomputed_tokens"] == by["pruned-context@30"]["recomputed_tokens"] < n
+    # everything recomputed, or the whole context prefilled: the receiver's own answer
+    assert by["ridge-kv+r100"]["answer"] == full[0]["answer"] == by["pruned-context@100"]["answer"]
+    rows = {r["method"]: r for r in summarise(records, full)}
+    assert rows["pruned-context@30"]["n"] == 1 and rows["ridge-kv+r30"]["n"] == 1
+    again, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                 progress=False, recompute=(30, 100))
+    assert len(again) == len(records)

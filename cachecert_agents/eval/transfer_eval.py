@@ -7,7 +7,10 @@ Per evaluation example the receiver answers (greedy) after:
 - ``split@s`` for each split layer s (``s = L``: pure KV transfer, named ``ridge-kv``): the transferred cache;
 - ``sender``: the sender's own answer on its own prompt (a control: is the receiver adding anything?);
 - ``random-map``: a transfer at the largest split through a random map of the same scale (a control: the
-  floor for a cache that carries nothing about the context).
+  floor for a cache that carries nothing about the context);
+- ``pruned-context@P`` (with selective recompute ``+rP``): the receiver prefills only the ``P`` percent of the
+  context tokens that ``+rP`` would recompute (chosen on the pure KV transfer), without any transferred
+  keys/values (a control: is it the choice of tokens or the transferred rest that carries the answer?).
 
 Each record is appended to a JSONL file as soon as it exists, and a rerun skips what is done, so long runs are
 resumable. :func:`summarise` turns the records into the rows of ``docs/results/transfer.json``.
@@ -37,6 +40,7 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.repair import select_context
 from cachecert_agents.transfer.statistics import PairStatistics
 
 logger = logging.getLogger(__name__)
@@ -187,6 +191,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         variants = [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]
         methods = [method_name(s, L, width, anchor, p) for s, p in variants]
         methods += ["no-context", "sender", "random-map"] if controls else []
+        pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
+        methods += pruned
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
         r_prompt = receiver.format_prompt(ex.context, ex.instruction)
@@ -247,6 +253,18 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
+        for pct, m in zip(recompute, pruned):
+            if (ex.id, m) in done:
+                continue
+            feats = feats or sender_features(sender, s_prompt)
+            t0 = time.perf_counter()
+            kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache)
+            ids = select_context(receiver, kv.cache, r_prompt, pct / 100)
+            cache = copy.deepcopy(prefix_cache)
+            receiver.forward(ids, cache, logits_to_keep=1)
+            spent = time.perf_counter() - t0
+            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
+            record(m, gen.text, transfer_s=spent, recomputed_tokens=int(ids.numel()))
     wanted = [ex.id for ex in examples]
     return latest_records(read_jsonl(path), wanted), latest_records(read_jsonl(full_path), wanted)
 
@@ -274,7 +292,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
     rows = []
     for method, recs in sorted(by_method.items()):
         if method in ("no-context", "sender", "random-map"):
-            continue
+            continue  # pruned-context@P controls get rows: their retention and cost are the comparison
         ids = [r["id"] for r in recs]
         score_full = statistics.mean(full[i]["score"] for i in ids)
         score_transfer = statistics.mean(r["score"] for r in recs)

@@ -11,7 +11,10 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
 - :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache;
 - :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
-  cache in place (``r = 1`` reproduces a full prefill; tested).
+  cache in place (``r = 1`` reproduces a full prefill; tested);
+- :func:`select_context` is the same selection as a control without the transferred keys/values: the chosen
+  tokens' ids, which the receiver prefills as a shorter context (query-aware context pruning). If it answers as
+  well, the transfer's value lies in choosing the tokens, not in the keys/values it carries for the rest.
 
 Receivers with sliding-window layers (Gemma 3) are refused: their cache keeps only the window, so the tokens'
 rows cannot be overwritten in place.
@@ -95,6 +98,15 @@ def select_chunks(relevance: torch.Tensor, fraction: float, chunk: int = 16) -> 
         if left == 0:
             break
     return torch.sort(torch.cat(picked)).values
+
+
+@torch.inference_mode()
+def select_context(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
+    """The context token ids ``[k]`` (in order) that :func:`recompute_tokens` would recompute for ``prompt``
+    (:class:`~cachecert_agents.models.handle.PromptSegments`) on the transferred ``cache``: the pruned-context
+    control's context."""
+    index = select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), fraction)
+    return prompt.context_ids.reshape(-1)[index]
 
 
 @torch.inference_mode()
