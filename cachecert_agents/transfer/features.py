@@ -86,13 +86,12 @@ def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) 
 @dataclass
 class ReceiverTargets:
     """``kv[l]`` ``[n_context, 2 * kv_heads * head_dim]`` pre-RoPE keys then values; ``hidden[s]``
-    ``[n_context, hidden]`` residual stream entering layer ``s``; receiver prefill time of ``prefix + context``
-    (seconds); ``qk``, when asked for, the pre-RoPE queries and keys of every token of
-    ``prefix + context`` (what :class:`cachecert_agents.cti.queries.QueryAccumulator` reads)."""
+    ``[n_context, hidden]`` residual stream entering layer ``s``; ``qk``, when asked for, the pre-RoPE queries
+    and keys of every token of ``prefix + context`` (what :class:`cachecert_agents.cti.queries.QueryAccumulator`
+    reads)."""
 
     kv: list[torch.Tensor]
     hidden: dict[int, torch.Tensor]
-    prefill_s: float
     qk: QKCapture | None = None
 
 
@@ -100,19 +99,15 @@ def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list
                      queries: bool = False) -> ReceiverTargets:
     """One receiver prefill over ``prefix + context``; returns the mapper's regression targets (and, with
     ``queries``, the recorded queries and keys, so the CTI's query statistics need no second pass)."""
-    import time
-
     start, end = prompt.context_span
     # One forward over prefix + context: with no cache before it the attention runs its causal kernel, about 20%
     # faster on a 3k-token context than the prefix cache plus an explicit mask (same values to rounding).
     with receiver.capture_qk(queries=queries, keys=True, values=True) as cap:  # every token, sliding layers too
-        t0 = time.perf_counter()
         out = receiver.forward(prompt.input_ids[:end], output_hidden_states=True, logits_to_keep=1)
-        elapsed = time.perf_counter() - t0
     kv = [flatten_kv(cap.key(layer)[:, :, start:end], cap.value(layer)[:, :, start:end])
           for layer in range(receiver.geometry.num_layers)]
     hidden = {s: out.hidden_states[s][start:end].float() for s in splits}
-    return ReceiverTargets(kv, hidden, elapsed, cap if queries else None)
+    return ReceiverTargets(kv, hidden, cap if queries else None)
 
 
 def flatten_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
