@@ -271,7 +271,8 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                       else build_scorer(sender, receiver, workload, mapper))
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
                                               Path(args.results_dir), scorer=scorer,
-                                              controls=not args.no_controls, recompute=args.recompute)
+                                              controls=not args.no_controls, recompute=args.recompute,
+                                              transfers=not args.controls_only)
             rows = summarise(records, full)
             for row in rows:
                 row["criterion"] = workload.criterion()
@@ -838,6 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
     p.add_argument("--no-controls", action="store_true", help="skip no-context, sender and random-map answers")
+    p.add_argument("--controls-only", action="store_true",
+                   help="run the controls only (no-context, sender, random-map, pruned-context@P), not the transfers")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)

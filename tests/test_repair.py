@@ -117,6 +117,10 @@ def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_t
     wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
     L = receiver.geometry.num_layers
     mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    controls, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                    progress=False, recompute=(30, 100), transfers=False)
+    assert {r["method"] for r in controls} == {"pruned-context@30", "pruned-context@100", "no-context", "sender",
+                                               "random-map"}
     records, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                       progress=False, recompute=(30, 100))
     by = {r["method"]: r for r in records}

@@ -163,7 +163,8 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
-                      offset: int = 0, recompute: tuple[int, ...] = ()) -> tuple[list[dict], list[dict]]:
+                      offset: int = 0, recompute: tuple[int, ...] = (), transfers: bool = True
+                      ) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -173,7 +174,9 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
     ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
     records of different subsets in different ``results_dir``. ``recompute`` (percentages) adds, for every
-    split, the transfer repaired by query-aware selective recompute of that share of the context (``...+rP``)."""
+    split, the transfer repaired by query-aware selective recompute of that share of the context (``...+rP``).
+    ``transfers=False`` runs the controls only (e.g. to add ``pruned-context@P`` to a finished run while another
+    process runs the transfers)."""
     L = receiver.geometry.num_layers
     width, anchor = mapper.header.get("hidden_width"), mapper.anchor
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
@@ -188,7 +191,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        variants = [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]
+        variants = ([(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]) if transfers else []
         methods = [method_name(s, L, width, anchor, p) for s, p in variants]
         methods += ["no-context", "sender", "random-map"] if controls else []
         pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
