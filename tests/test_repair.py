@@ -11,7 +11,8 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import recompute_tokens, select_chunks, suffix_relevance
+from cachecert_agents.transfer.repair import (lexical_relevance, recompute_tokens, select_chunks,
+                                               suffix_relevance)
 from tests.conftest import tiny_model
 
 CONTEXT = "the cat sat on the mat and the dog ran in the park where the cat sat " * 2
@@ -30,6 +31,12 @@ def test_select_chunks_takes_whole_chunks_by_total_relevance_and_trims_to_budget
     assert select_chunks(rel, 1.0, chunk=7).tolist() == list(range(40))
     with pytest.raises(ValueError, match="fraction"):
         select_chunks(rel, 1.5)
+
+
+def test_lexical_relevance_weights_shared_tokens_by_rarity():
+    ctx = torch.tensor([5, 7, 5, 9, 5, 7, 11])
+    rel = lexical_relevance(ctx, torch.tensor([3, 5, 11]))
+    assert torch.allclose(rel, torch.tensor([1 / 3, 0, 1 / 3, 0, 1 / 3, 0, 1.0], dtype=torch.float64))
 
 
 def _pair(arch: str, tokenizer) -> tuple[ModelHandle, ModelHandle, RidgeMapper]:
@@ -119,13 +126,14 @@ def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_t
     mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
     controls, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                     progress=False, recompute=(30, 100), transfers=False)
-    assert {r["method"] for r in controls} == {"pruned-context@30", "pruned-context@100", "no-context", "sender",
-                                               "random-map"}
+    assert {r["method"] for r in controls} == {"pruned-context@30", "pruned-context@100", "lexical-context@30",
+                                               "lexical-context@100", "no-context", "sender", "random-map"}
     records, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                       progress=False, recompute=(30, 100))
     by = {r["method"]: r for r in records}
-    assert {"ridge-kv", "ridge-kv+r30", "ridge-kv+r100", "pruned-context@30", "pruned-context@100", "no-context",
-            "sender", "random-map"} == set(by)
+    assert {"ridge-kv", "ridge-kv+r30", "ridge-kv+r100", "pruned-context@30", "pruned-context@100",
+            "lexical-context@30", "lexical-context@100", "no-context", "sender", "random-map"} == set(by)
+    assert by["lexical-context@100"]["answer"] == full[0]["answer"]
     n = len(receiver.format_prompt(CONTEXT, QUESTION).context_ids)
     assert by["ridge-kv+r100"]["recomputed_tokens"] == n and by["pruned-context@100"]["recomputed_tokens"] == n
     assert by["ridge-kv+r30"]["recomputed_tokens"] == by["pruned-context@30"]["recomputed_tokens"] < n

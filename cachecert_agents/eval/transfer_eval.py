@@ -10,7 +10,9 @@ Per evaluation example the receiver answers (greedy) after:
   floor for a cache that carries nothing about the context);
 - ``pruned-context@P`` (with selective recompute ``+rP``): the receiver prefills only the ``P`` percent of the
   context tokens that ``+rP`` would recompute (chosen on the pure KV transfer), without any transferred
-  keys/values (a control: is it the choice of tokens or the transferred rest that carries the answer?).
+  keys/values (a control: is it the choice of tokens or the transferred rest that carries the answer?);
+- ``lexical-context@P`` (with ``+rP``): the receiver prefills ``P`` percent of the context chosen without any
+  cache, by the suffix's tokens found in the context (a control: does choosing the tokens need the transfer?).
 
 Each record is appended to a JSONL file as soon as it exists, and a rerun skips what is done, so long runs are
 resumable. :func:`summarise` turns the records into the rows of ``docs/results/transfer.json``.
@@ -40,7 +42,7 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import select_context
+from cachecert_agents.transfer.repair import lexical_relevance, select_chunks, select_context
 from cachecert_agents.transfer.statistics import PairStatistics
 
 logger = logging.getLogger(__name__)
@@ -195,7 +197,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         methods = [method_name(s, L, width, anchor, p) for s, p in variants]
         methods += ["no-context", "sender", "random-map"] if controls else []
         pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
-        methods += pruned
+        lexical = [f"lexical-context@{p}" for p in recompute] if controls else []
+        methods += pruned + lexical
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
         r_prompt = receiver.format_prompt(ex.context, ex.instruction)
@@ -268,6 +271,16 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             spent = time.perf_counter() - t0
             gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
             record(m, gen.text, transfer_s=spent, recomputed_tokens=int(ids.numel()))
+        for pct, m in zip(recompute, lexical):
+            if (ex.id, m) in done:
+                continue
+            t0 = time.perf_counter()
+            index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
+            cache = copy.deepcopy(prefix_cache)
+            receiver.forward(r_prompt.context_ids.reshape(-1)[index], cache, logits_to_keep=1)
+            spent = time.perf_counter() - t0
+            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
+            record(m, gen.text, transfer_s=spent, recomputed_tokens=int(index.numel()))
     wanted = [ex.id for ex in examples]
     return latest_records(read_jsonl(path), wanted), latest_records(read_jsonl(full_path), wanted)
 

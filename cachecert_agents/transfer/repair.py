@@ -14,7 +14,9 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
   cache in place (``r = 1`` reproduces a full prefill; tested);
 - :func:`select_context` is the same selection as a control without the transferred keys/values: the chosen
   tokens' ids, which the receiver prefills as a shorter context (query-aware context pruning). If it answers as
-  well, the transfer's value lies in choosing the tokens, not in the keys/values it carries for the rest.
+  well, the transfer's value lies in choosing the tokens, not in the keys/values it carries for the rest;
+- :func:`lexical_relevance` scores the context tokens without any cache (the suffix's token ids found in the
+  context, weighted by their rarity there): the control that asks whether the choice needs the transfer at all.
 
 Receivers with sliding-window layers (Gemma 3) are refused: their cache keeps only the window, so the tokens'
 rows cannot be overwritten in place.
@@ -71,6 +73,18 @@ def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor
         relevance += context_attention(weights, span, total).double().amax((0, 1)).cpu()
     cache.crop(-int(suffix_ids.numel()))
     return relevance
+
+
+def lexical_relevance(context_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor:
+    """A cache-free relevance ``[n]`` of the context tokens ``context_ids`` ``[n]``: a token whose id also occurs in
+    ``suffix_ids`` scores ``1 / (its count in the context)`` (rare shared tokens, such as names, weigh most;
+    frequent ones such as " the" little), every other token 0."""
+    ctx = context_ids.reshape(-1)
+    ids, counts = torch.unique(ctx, return_counts=True)
+    weight = torch.zeros(int(ctx.max()) + 1, dtype=torch.float64)
+    weight[ids] = 1.0 / counts.double()
+    shared = torch.isin(ctx, suffix_ids.reshape(-1))
+    return torch.where(shared, weight[ctx], torch.zeros((), dtype=torch.float64))
 
 
 def select_chunks(relevance: torch.Tensor, fraction: float, chunk: int = 16) -> torch.Tensor:
