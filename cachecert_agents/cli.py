@@ -359,6 +359,39 @@ def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_summarise(args: argparse.Namespace) -> int:
+    """Rows from the records already written for a pair and workload (e.g. of a run stopped before its end),
+    over the first ``--n`` evaluation examples: each method's row covers the examples it has records for. Nothing
+    is run and no model is loaded."""
+    from pathlib import Path
+
+    from cachecert_agents.eval.report import fmt
+    from cachecert_agents.eval.transfer_eval import (artifact_stem, full_reference_path, latest_records,
+                                                      summarise)
+    from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.jsonl import read_jsonl
+
+    sender, receiver = args.pair
+    workload = get_workload(args.workload, data=args.data)
+    ids = [e.id for e in workload.examples("evaluation")[:args.n]]
+    results_dir = Path(args.results_dir)
+    path = results_dir / f"{artifact_stem(sender, receiver, workload.name)}.jsonl"
+    if not path.exists():
+        raise CacheCertError(f"no records at {path}; run `cachecert eval transfer` first")
+    rows = summarise(latest_records(read_jsonl(path), ids),
+                     latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload.name)), ids))
+    for row in rows:
+        row["criterion"] = workload.criterion()
+        if args.n_calibration is not None:
+            row["n_calibration_contexts"] = args.n_calibration
+    if args.summary:
+        _merge_rows(args.summary, rows)
+    text = "\n".join(f"{r['method']:20s} n={r['n']:3d} retention={fmt(r['retention'])} "
+                     f"agreement={r['agreement']:.3f} prefill_saved={r['prefill_saved']:.3f}" for r in rows)
+    _emit(rows, args.json, text)
+    return 0
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
 
@@ -854,6 +887,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_diagnose)
+
+    p = esub.add_parser("summarise", help="summary rows from the records already written (e.g. a stopped run)")
+    p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--n", type=int, default=100, help="the first N evaluation examples")
+    p.add_argument("--n-calibration", type=int, default=None, help="recorded in the rows (the mapper's contexts)")
+    p.add_argument("--results-dir", default="docs/results/transfer")
+    p.add_argument("--summary", default="docs/results/transfer.json", help="merge the rows into this file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval_summarise)
 
     p = esub.add_parser("report", help="write transfer.md and frontier plots from transfer.json")
     p.add_argument("--results", default="docs/results/transfer.json")
