@@ -302,7 +302,7 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width,
                           anchor=args.anchor)
     rows = transfer_cost(sender, receiver, mapper, splits, [int(x) for x in args.context_tokens.split(",")],
-                         args.repeats)
+                         args.repeats, recompute=args.recompute)
     if args.out:
         _merge_rows(args.out, rows, key=("sender", "receiver", "context_tokens", "method"))
     if not args.json:
@@ -984,6 +984,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="time the split@K+wW mapper (see eval transfer --hidden-width)")
     p.add_argument("--anchor", type=int, default=None, metavar="A", help="time the +aA mapper (see eval transfer)")
+    p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
+                   help="also time each split repaired by selective recompute of P percent (methods ...+rP)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
     p.add_argument("--device", default="cpu")

@@ -144,3 +144,13 @@ def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_t
     again, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                  progress=False, recompute=(30, 100))
     assert len(again) == len(records)
+
+
+def test_cost_benchmark_times_recompute_methods(tiny_tokenizer):
+    from cachecert_agents.eval.transfer_cost import transfer_cost
+
+    sender, receiver, mapper = _pair("qwen2", tiny_tokenizer)
+    L = receiver.geometry.num_layers
+    rows = transfer_cost(sender, receiver, mapper, [L], [60], repeats=1, recompute=(25,))
+    assert [r["method"] for r in rows] == ["ridge-kv", "ridge-kv+r25"]
+    assert all(r["transfer_s_median"] > 0 and r["ratio"] > 0 for r in rows)

@@ -23,7 +23,9 @@ INSTRUCTION = "Summarise the text above in one sentence."
 
 
 def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMapper, splits: list[int],
-                  context_tokens: list[int], repeats: int = 3) -> list[dict]:
+                  context_tokens: list[int], repeats: int = 3, recompute: tuple[int, ...] = ()) -> list[dict]:
+    """Rows per context length and method: each split, and each split repaired by selective recompute of every
+    percentage in ``recompute`` (``...+rP``; its suffix pass over the instruction is charged)."""
     rows = []
     for n in context_tokens:
         context = context_of_tokens(receiver, n)
@@ -37,15 +39,15 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
             prefill.append(time.perf_counter() - t0)
         prefill_med = statistics.median(prefill)
-        for s in splits:
-            times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix).transfer_s
-                     for _ in range(repeats)]
+        for s, pct in [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]:
+            times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix,
+                              recompute=(pct or 0) / 100).transfer_s for _ in range(repeats)]
             med = statistics.median(times)
             rows.append({"sender": sender.name, "receiver": receiver.name,
                          "context_tokens": int(r_prompt.context_ids.numel()),
                          "split": s, "num_layers": receiver.geometry.num_layers,
                          "method": method_name(s, receiver.geometry.num_layers, mapper.header.get("hidden_width"),
-                                               mapper.anchor),
+                                               mapper.anchor, pct),
                          "prefill_s_median": prefill_med, "transfer_s_median": med,
                          "ratio": med / prefill_med, "repeats": repeats})
     return rows
