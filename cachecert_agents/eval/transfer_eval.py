@@ -181,6 +181,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     process runs the transfers)."""
     L = receiver.geometry.num_layers
     width, anchor = mapper.header.get("hidden_width"), mapper.anchor
+    if recompute and anchor is not None:
+        raise ValueError("selective recompute (+rP) is not defined for anchored mappers (+aA)")
     path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
@@ -259,28 +261,25 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-        for pct, m in zip(recompute, pruned):
-            if (ex.id, m) in done:
-                continue
-            feats = feats or sender_features(sender, s_prompt)
-            t0 = time.perf_counter()
-            kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache)
-            ids = select_context(receiver, kv.cache, r_prompt, pct / 100)
+        def answer_on_subset(method: str, context_ids: Any, t0: float) -> None:
+            """A control's answer after the receiver prefills only ``context_ids`` (timed from ``t0``)."""
             cache = copy.deepcopy(prefix_cache)
-            receiver.forward(ids, cache, logits_to_keep=1)
+            receiver.forward(context_ids, cache, logits_to_keep=1)
             spent = time.perf_counter() - t0
             gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
-            record(m, gen.text, transfer_s=spent, recomputed_tokens=int(ids.numel()))
-        for pct, m in zip(recompute, lexical):
-            if (ex.id, m) in done:
-                continue
-            t0 = time.perf_counter()
-            index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
-            cache = copy.deepcopy(prefix_cache)
-            receiver.forward(r_prompt.context_ids.reshape(-1)[index], cache, logits_to_keep=1)
-            spent = time.perf_counter() - t0
-            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
-            record(m, gen.text, transfer_s=spent, recomputed_tokens=int(index.numel()))
+            record(method, gen.text, transfer_s=spent, recomputed_tokens=int(context_ids.numel()))
+
+        for pct, m in zip(recompute, pruned):  # chosen on the pure KV transfer, as +rP chooses
+            if (ex.id, m) not in done:
+                feats = feats or sender_features(sender, s_prompt)
+                t0 = time.perf_counter()
+                kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache)
+                answer_on_subset(m, select_context(receiver, kv.cache, r_prompt, pct / 100), t0)
+        for pct, m in zip(recompute, lexical):  # chosen with no cache at all
+            if (ex.id, m) not in done:
+                t0 = time.perf_counter()
+                index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
+                answer_on_subset(m, r_prompt.context_ids.reshape(-1)[index], t0)
     wanted = [ex.id for ex in examples]
     return latest_records(read_jsonl(path), wanted), latest_records(read_jsonl(full_path), wanted)
 
