@@ -273,24 +273,31 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                                               Path(args.results_dir), scorer=scorer,
                                               controls=not args.no_controls, recompute=args.recompute,
                                               transfers=not args.controls_only)
-            rows = summarise(records, full)
-            for row in rows:
-                row["criterion"] = workload.criterion()
-                row["n_calibration_contexts"] = args.n_calibration
-            if args.summary:
-                _merge_rows(args.summary, rows)
-            all_rows += rows
-            if not args.json:
-                for r in rows:
-                    fmt = {k: "-" if r.get(k) is None else f"{r[k]:.3f}" for k in (
-                        "score_full", "score_transfer", "score_no_context", "retention", "agreement",
-                        "prefill_saved")}
-                    print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
-                          f"full={fmt['score_full']} transfer={fmt['score_transfer']} "
-                          f"no-context={fmt['score_no_context']} retention={fmt['retention']} "
-                          f"agreement={fmt['agreement']} prefill_saved={fmt['prefill_saved']}")
+            all_rows += _finish_transfer_rows(summarise(records, full), workload, args.n_calibration,
+                                              args.summary, args.json)
     _emit(all_rows, args.json)
     return 0
+
+
+def _finish_transfer_rows(rows: list[dict], workload: Any, n_calibration: int | None, summary: str | None,
+                          as_json: bool) -> list[dict]:
+    """Summary rows of one pair and workload: tagged with the workload's criterion and the mapper's calibration
+    size, merged into ``summary`` (when given), and printed (unless ``as_json``)."""
+    for row in rows:
+        row["criterion"] = workload.criterion()
+        if n_calibration is not None:
+            row["n_calibration_contexts"] = n_calibration
+    if summary:
+        _merge_rows(summary, rows)
+    if not as_json:
+        for r in rows:
+            fmt = {k: "-" if r.get(k) is None else f"{r[k]:.3f}" for k in (
+                "score_full", "score_transfer", "score_no_context", "retention", "agreement", "prefill_saved")}
+            print(f"{r['sender']}->{r['receiver']} {r['workload']} {r['method']:9} n={r['n']} "
+                  f"full={fmt['score_full']} transfer={fmt['score_transfer']} "
+                  f"no-context={fmt['score_no_context']} retention={fmt['retention']} "
+                  f"agreement={fmt['agreement']} prefill_saved={fmt['prefill_saved']}")
+    return rows
 
 
 def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
@@ -365,7 +372,6 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     is run and no model is loaded."""
     from pathlib import Path
 
-    from cachecert_agents.eval.report import fmt
     from cachecert_agents.eval.transfer_eval import (artifact_stem, full_reference_path, latest_records,
                                                       summarise)
     from cachecert_agents.eval.workloads import get_workload
@@ -380,15 +386,7 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
         raise CacheCertError(f"no records at {path}; run `cachecert eval transfer` first")
     rows = summarise(latest_records(read_jsonl(path), ids),
                      latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload.name)), ids))
-    for row in rows:
-        row["criterion"] = workload.criterion()
-        if args.n_calibration is not None:
-            row["n_calibration_contexts"] = args.n_calibration
-    if args.summary:
-        _merge_rows(args.summary, rows)
-    text = "\n".join(f"{r['method']:20s} n={r['n']:3d} retention={fmt(r['retention'])} "
-                     f"agreement={r['agreement']:.3f} prefill_saved={r['prefill_saved']:.3f}" for r in rows)
-    _emit(rows, args.json, text)
+    _emit(_finish_transfer_rows(rows, workload, args.n_calibration, args.summary, args.json), args.json)
     return 0
 
 

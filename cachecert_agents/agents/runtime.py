@@ -132,6 +132,10 @@ class Route:
     scorer: RiskScorer
     certificate: Certificate
     agree: Any  # (served: str, full: str) -> bool, the certificate workload's criterion
+    # selective recompute (fraction of the context) of the served transfer and of the one scored (a +rP
+    # method: serve exactly what was certified)
+    served_recompute: float = 0.0
+    score_recompute: float = 0.0
 
 
 class CacheCertRuntime:
@@ -203,6 +207,7 @@ class CacheCertRuntime:
 
     def _load_route(self, cfg: RouteConfig) -> Route:
         from cachecert_agents.artifacts import artifact_paths
+        from cachecert_agents.eval.transfer_eval import parse_method
         from cachecert_agents.eval.workloads import get_workload
         from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
         from cachecert_agents.transfer.mappers import RidgeMapper
@@ -219,9 +224,11 @@ class CacheCertRuntime:
             if split < receiver.geometry.num_layers and f"hidden:{split}" not in mapper.weights:
                 raise ValueError(f"certificate is for split {split} but the mapper has no hidden:{split} target")
         scorer = RiskScorer.from_statistics(receiver, mapper, stats)
+        served_r = (parse_method(cert.method).recompute or 0) / 100
+        score_r = (parse_method(cert.screen_method).recompute or 0) / 100 if cert.screen_method else served_r
         logger.info("route %s->%s ready: %s, %s score, %s alpha=%g lambda=%s (n=%d)", cfg.sender, cfg.receiver,
                     cert.method, cert.score, cert.control.upper(), cert.alpha, cert.threshold, cert.n)
-        return Route(cfg, mapper, scorer, cert, get_workload(cert.workload).agree)
+        return Route(cfg, mapper, scorer, cert, get_workload(cert.workload).agree, served_r, score_r)
 
     # ------------------------------------------------------------------ the policy
     def generate(self, model: str, context: str, instruction: str, system: str | None = None,
@@ -296,16 +303,10 @@ class CacheCertRuntime:
                 reasons.append(f"the certificate for {holder.model}->{handle.name} accepts no transfer")
                 continue
             try:
-                from cachecert_agents.eval.transfer_eval import parse_method
-
-                # a +rP method repairs the transfer by selective recompute: serve exactly what was certified
-                served_r = (parse_method(cert.method).recompute or 0) / 100
-                score_r = ((parse_method(cert.screen_method).recompute or 0) / 100 if cert.screen_method
-                           else served_r)
                 prefix_cache = self._prefix_cache(handle, prompt)
                 # the score is computed on the certificate's score transfer: the served one, or a cheaper screen
                 result = transfer(handle, prompt, holder.features, route.mapper, cert.score_split,
-                                  prefix_cache=prefix_cache, recompute=score_r)
+                                  prefix_cache=prefix_cache, recompute=route.score_recompute)
                 scores, out, cost = route.scorer.scoring_pass(result.cache, prompt.suffix_ids, prompt.context_span,
                                                               cert.score_split, result.features,
                                                               geometry=cert.score == "geometry")
@@ -320,7 +321,7 @@ class CacheCertRuntime:
                     continue
                 if cert.screen_split is not None:  # accepted by the screen: now run the served transfer
                     result = transfer(handle, prompt, holder.features, route.mapper, cert.split,
-                                      prefix_cache=prefix_cache, recompute=served_r)
+                                      prefix_cache=prefix_cache, recompute=route.served_recompute)
                     out = handle.forward(prompt.suffix_ids, cache=result.cache, logits_to_keep=1)
                     spent_s += result.transfer_s
                 base = dict(sender=holder.model, score_name=cert.score, score=score, lam=cert.lam, alpha=cert.alpha,

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 
-def fmt(value: object, digits: int = 3) -> str:
+def _fmt(value: object, digits: int = 3) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     if isinstance(value, list):
-        return " .. ".join(fmt(v, digits) for v in value)
+        return " .. ".join(_fmt(v, digits) for v in value)
     return str(value)
 
 
@@ -36,7 +36,7 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
              "evaluated before same-run timing; `transfer_cost.json` measures both in one run).", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in sorted(rows, key=lambda r: (r["sender"], r["receiver"], r["workload"], r.get("split") or 0)):
-        cells = [fmt(r.get(c)) + (" †" if c == "prefill_saved" and r.get("prefill_timing") != "same run" else "")
+        cells = [_fmt(r.get(c)) + (" †" if c == "prefill_saved" and r.get("prefill_timing") != "same run" else "")
                  for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []

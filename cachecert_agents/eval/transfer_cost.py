@@ -13,7 +13,7 @@ import statistics
 import time
 
 from cachecert_agents.eval.kv_check import context_of_tokens
-from cachecert_agents.eval.transfer_eval import method_name
+from cachecert_agents.eval.transfer_eval import method_name, method_variants
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.features import sender_features
@@ -39,7 +39,7 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
             prefill.append(time.perf_counter() - t0)
         prefill_med = statistics.median(prefill)
-        for s, pct in [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]:
+        for s, pct in method_variants(splits, recompute):
             times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix,
                               recompute=(pct or 0) / 100).transfer_s for _ in range(repeats)]
             med = statistics.median(times)

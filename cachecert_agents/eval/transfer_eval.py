@@ -60,6 +60,12 @@ def method_name(split: int, num_layers: int, hidden_width: int | None = None, an
     return f"split@{split}" + (f"+w{hidden_width}" if hidden_width else "") + tail
 
 
+def method_variants(splits: list[int], recompute: tuple[int, ...] = ()) -> list[tuple[int, int | None]]:
+    """``(split, recompute percent or None)`` of every transfer method asked for: each split as it is, then each
+    split repaired by selective recompute of every percentage in ``recompute``."""
+    return [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]
+
+
 class MethodSpec(NamedTuple):
     """A transfer method's parts: split layer (``num_layers`` for pure KV, None when unknown), residual-stream
     window (None: default), anchor (None: sender features only) and selective recompute (percent of the context
@@ -194,13 +200,12 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
+    variants = method_variants(splits, recompute) if transfers else []
+    pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
+    lexical = [f"lexical-context@{p}" for p in recompute] if controls else []
+    transfer_methods = [method_name(s, L, width, anchor, p) for s, p in variants]
+    methods = transfer_methods + (["no-context", "sender", "random-map"] if controls else []) + pruned + lexical
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
-        variants = ([(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]) if transfers else []
-        methods = [method_name(s, L, width, anchor, p) for s, p in variants]
-        methods += ["no-context", "sender", "random-map"] if controls else []
-        pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
-        lexical = [f"lexical-context@{p}" for p in recompute] if controls else []
-        methods += pruned + lexical
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
         r_prompt = receiver.format_prompt(ex.context, ex.instruction)
@@ -237,8 +242,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         if controls and (ex.id, "sender") not in done:
             record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
-        for s, pct in variants:
-            m = method_name(s, L, width, anchor, pct)
+        for (s, pct), m in zip(variants, transfer_methods):
             if (ex.id, m) in done:
                 continue
             feats = feats or sender_features(sender, s_prompt)
@@ -307,7 +311,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
     rows = []
     for method, recs in sorted(by_method.items()):
         if method in ("no-context", "sender", "random-map"):
-            continue  # pruned-context@P controls get rows: their retention and cost are the comparison
+            continue  # the pruned-/lexical-context@P controls get rows: their retention and cost are the comparison
         ids = [r["id"] for r in recs]
         score_full = statistics.mean(full[i]["score"] for i in ids)
         score_transfer = statistics.mean(r["score"] for r in recs)

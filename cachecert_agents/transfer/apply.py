@@ -202,9 +202,9 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     recomputed = 0
     if recompute > 0 and split > 0:
-        from cachecert_agents.transfer.repair import recompute_tokens, select_chunks, suffix_relevance
+        from cachecert_agents.transfer.repair import choose_tokens, recompute_tokens
 
-        index = select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), recompute)
+        index = choose_tokens(receiver, cache, prompt, recompute)
         recompute_tokens(receiver, cache, prompt.context_ids, start, index)
         recomputed = int(index.numel())
     elapsed = time.perf_counter() - t0

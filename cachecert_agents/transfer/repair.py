@@ -10,6 +10,7 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
 
 - :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache;
 - :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
+  :func:`choose_tokens` is the two together;
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
   cache in place (``r = 1`` reproduces a full prefill; tested);
 - :func:`select_context` is the same selection as a control without the transferred keys/values: the chosen
@@ -114,13 +115,17 @@ def select_chunks(relevance: torch.Tensor, fraction: float, chunk: int = 16) -> 
     return torch.sort(torch.cat(picked)).values
 
 
-@torch.inference_mode()
+def choose_tokens(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
+    """The context tokens ``[k]`` (offsets into ``prompt.context_ids``, sorted) that selective recompute takes for
+    ``prompt`` (:class:`~cachecert_agents.models.handle.PromptSegments`) on the transferred ``cache``: the
+    chunks its suffix attends to most, ``fraction`` of the context."""
+    return select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), fraction)
+
+
 def select_context(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
-    """The context token ids ``[k]`` (in order) that :func:`recompute_tokens` would recompute for ``prompt``
-    (:class:`~cachecert_agents.models.handle.PromptSegments`) on the transferred ``cache``: the pruned-context
-    control's context."""
-    index = select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), fraction)
-    return prompt.context_ids.reshape(-1)[index]
+    """The context token ids ``[k]`` (in order) that :func:`recompute_tokens` would recompute for ``prompt`` on
+    the transferred ``cache`` (:func:`choose_tokens`): the pruned-context control's context."""
+    return prompt.context_ids.reshape(-1)[choose_tokens(receiver, cache, prompt, fraction)]
 
 
 @torch.inference_mode()
