@@ -600,7 +600,11 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
 
 def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method")
                 ) -> None:
-    """Merge rows into a results file by ``key``, keeping the other rows; each row records its command."""
+    """Merge rows into a results file by ``key``, keeping the other rows; each row records its command.
+
+    A row measured on more examples (``n``) than the new row with the same key is kept, with a warning: a
+    shorter rerun must not replace a longer measurement (``cachecert eval summarise`` rebuilds a row from every
+    record on disk)."""
     from pathlib import Path
 
     for row in rows:
@@ -609,8 +613,17 @@ def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "
     existing: list[dict] = []
     if Path(path).exists():
         existing = json.loads(Path(path).read_text()).get("results", [])
-    new_keys = {tuple(r[k] for k in key) for r in rows}
-    merged = [r for r in existing if tuple(r[k] for k in key) not in new_keys] + rows
+    old_by_key = {tuple(r[k] for k in key): r for r in existing}
+    kept_new = []
+    for row in rows:
+        old = old_by_key.get(tuple(row[k] for k in key))
+        if old is not None and (old.get("n") or 0) > (row.get("n") or 0):
+            logger.warning("%s: kept the existing row %s (n=%s) over the new one (n=%s)", path,
+                           "/".join(str(row[k]) for k in key), old.get("n"), row.get("n"))
+            continue
+        kept_new.append(row)
+    new_keys = {tuple(r[k] for k in key) for r in kept_new}
+    merged = [r for r in existing if tuple(r[k] for k in key) not in new_keys] + kept_new
     write_result_file(path, merged)
 
 

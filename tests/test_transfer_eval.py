@@ -87,3 +87,22 @@ def test_transfer_report_marks_savings_not_timed_in_the_same_run(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps({"command": "c", "date": "d", "results": rows}))
     text = transfer_markdown(tmp_path / "t.json", tmp_path / "t.md").read_text()
     assert text.count("0.500 †") == 1 and "| split@7 |" in text
+
+
+def test_merging_summary_rows_keeps_the_larger_measurement(tmp_path, caplog):
+    """A shorter rerun (smaller n) must not replace a row measured on more examples; equal or larger n does."""
+    import json
+
+    from cachecert_agents.cli import _merge_rows
+
+    path = str(tmp_path / "transfer.json")
+    base = {"sender": "a", "receiver": "b", "workload": "hotpotqa"}
+    _merge_rows(path, [{**base, "method": "ridge-kv", "n": 100, "retention": 0.5},
+                       {**base, "method": "split@6", "n": 31, "retention": 0.6}])
+    with caplog.at_level("WARNING"):
+        _merge_rows(path, [{**base, "method": "ridge-kv", "n": 50, "retention": 0.9},
+                           {**base, "method": "split@6", "n": 100, "retention": 0.7}])
+    rows = {r["method"]: r for r in json.loads(open(path).read())["results"]}
+    assert (rows["ridge-kv"]["n"], rows["ridge-kv"]["retention"]) == (100, 0.5)
+    assert (rows["split@6"]["n"], rows["split@6"]["retention"]) == (100, 0.7)
+    assert "kept the existing row" in caplog.text
