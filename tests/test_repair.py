@@ -1,5 +1,5 @@
 """Query-aware selective recompute (transfer/repair.py) on tiny models: chunk selection, exactness of recomputed
-rows, r = 1 is a full prefill, refusal of sliding-window receivers."""
+rows, r = 1 is a full prefill (also on a sliding-window receiver), caches that evicted rows refused."""
 
 import copy
 
@@ -11,8 +11,8 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import (lexical_relevance, recompute_tokens, select_chunks,
-                                               suffix_relevance)
+from cachecert_agents.transfer.repair import (full_length_cache, lexical_relevance, recompute_tokens,
+                                               select_chunks, suffix_relevance)
 from tests.conftest import tiny_model
 
 CONTEXT = "the cat sat on the mat and the dog ran in the park where the cat sat " * 2
@@ -39,13 +39,14 @@ def test_lexical_relevance_weights_shared_tokens_by_rarity():
     assert torch.allclose(rel, torch.tensor([1 / 3, 0, 1 / 3, 0, 1 / 3, 0, 1.0], dtype=torch.float64))
 
 
-def _pair(arch: str, tokenizer) -> tuple[ModelHandle, ModelHandle, RidgeMapper]:
-    """Sender and receiver with DIFFERENT weights, and a (poor) ridge mapper between them."""
+def _pair(arch: str, tokenizer, splits: tuple[int, ...] = ()) -> tuple[ModelHandle, ModelHandle, RidgeMapper]:
+    """Sender and receiver with DIFFERENT weights, and a (poor) ridge mapper between them (with residual-stream
+    maps for split transfers at ``splits``)."""
     sender = ModelHandle("tiny-a", tiny_model(arch, seed=7), tokenizer)
     receiver = ModelHandle("tiny-b", tiny_model(arch, seed=8), tokenizer)
     gen = torch.Generator().manual_seed(0)
     texts = [tokenizer.decode(torch.randint(4, 320, (80,), generator=gen)) for _ in range(3)]
-    stats = collect_statistics(sender, receiver, [(t, QUESTION) for t in texts], [], progress=False)
+    stats = collect_statistics(sender, receiver, [(t, QUESTION) for t in texts], list(splits), progress=False)
     return sender, receiver, RidgeMapper.fit(stats, rho=1e-2)
 
 
@@ -105,12 +106,48 @@ def test_suffix_relevance_leaves_the_cache_as_it_was(tiny_tokenizer):
     assert torch.equal(cache.layers[-1].keys, before.layers[-1].keys)
 
 
-def test_sliding_window_receivers_are_refused(tiny_tokenizer):
-    sender, receiver, mapper = _pair("gemma3", tiny_tokenizer)
+def test_sliding_window_receiver_r1_reproduces_the_full_prefill_and_keeps_its_cache_layout(tiny_tokenizer):
+    """Gemma 3 (window 8 here, a context of dozens of tokens): the repair runs on a full-length cache with each
+    layer type's mask, so recomputing every token equals the receiver's own prefill, and the cache handed back has
+    the receiver's own layout (sliding layers keep their last window - 1 rows)."""
+    sender, receiver, mapper = _pair("gemma3", tiny_tokenizer, splits=(2,))
+    geo = receiver.geometry
+    assert geo.sliding_layers and geo.sliding_window < 20
     prompt = receiver.format_prompt(CONTEXT, QUESTION)
     feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
-    with pytest.raises(ValueError, match="sliding-window"):
-        transfer(receiver, prompt, feats, mapper, split=receiver.geometry.num_layers, recompute=0.5)
+    native = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
+    exact = receiver.continue_from(copy.deepcopy(native), prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    mapped = transfer(receiver, prompt, feats, mapper, split=geo.num_layers)
+    off = receiver.continue_from(mapped.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert not torch.allclose(off, exact, atol=1e-3)
+    for split in (geo.num_layers, 2):
+        repaired = transfer(receiver, prompt, feats, mapper, split=split, recompute=1.0)
+        assert repaired.recomputed == prompt.context_ids.numel()
+        for got_layer, want_layer in zip(repaired.cache.layers, native.layers):
+            assert type(got_layer) is type(want_layer)
+            assert got_layer.keys.shape == want_layer.keys.shape
+            torch.testing.assert_close(got_layer.keys, want_layer.keys, atol=1e-4, rtol=1e-4)
+        got = receiver.continue_from(repaired.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+        assert torch.allclose(got, exact, atol=1e-4), (split, (got - exact).abs().max())
+    # a partial repair hands back the receiver's layout too, and the unwindowed transfer answers the same
+    part = transfer(receiver, prompt, feats, mapper, split=geo.num_layers, recompute=0.3)
+    assert [type(x) for x in part.cache.layers] == [type(x) for x in native.layers]
+    plain = transfer(receiver, prompt, feats, mapper, split=geo.num_layers, windowed=False)
+    assert all(x.keys.shape[-2] == prompt.context_span[1] for x in plain.cache.layers)
+    same = receiver.continue_from(plain.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    assert torch.allclose(same, off, atol=1e-4)
+
+
+def test_selection_and_recompute_refuse_a_cache_that_evicted_rows(tiny_tokenizer):
+    sender, receiver, mapper = _pair("gemma3", tiny_tokenizer)
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    native = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
+    with pytest.raises(ValueError, match="full-length cache"):
+        suffix_relevance(receiver, native, prompt.suffix_ids, prompt.context_span)
+    with pytest.raises(ValueError, match="full-length cache"):
+        recompute_tokens(receiver, native, prompt.context_ids, prompt.context_span[0], torch.arange(3))
+    with pytest.raises(ValueError, match="dropped the rest"):
+        full_length_cache(native)
 
 
 def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_tokenizer, tmp_path):

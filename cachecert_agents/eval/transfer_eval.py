@@ -277,7 +277,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             if (ex.id, m) not in done:
                 feats = feats or sender_features(sender, s_prompt)
                 t0 = time.perf_counter()
-                kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache)
+                kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache, windowed=False)
                 answer_on_subset(m, select_context(receiver, kv.cache, r_prompt, pct / 100), t0)
         for pct, m in zip(recompute, lexical):  # chosen with no cache at all
             if (ex.id, m) not in done:

@@ -32,6 +32,7 @@ from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
 from cachecert_agents.transfer.features import SenderFeatures, alignment_for, rms_normalise, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
+from cachecert_agents.transfer.repair import choose_tokens, full_length_cache, recompute_tokens, windowed_cache
 
 
 @dataclass
@@ -139,7 +140,7 @@ def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatur
 @torch.inference_mode()
 def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeatures, mapper: RidgeMapper,
              split: int, prefix_cache: Any | None = None, true_targets: Any | None = None,
-             oracle: str | None = None, recompute: float = 0.0) -> TransferResult:
+             oracle: str | None = None, recompute: float = 0.0, windowed: bool = True) -> TransferResult:
     """Build the receiver's cache for ``prompt.prefix + prompt.context`` from the sender's ``features``.
 
     ``prefix_cache`` is the receiver's own cache of ``prompt.prefix_ids`` (computed when None; it is copied, not
@@ -153,6 +154,12 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     ``recompute > 0``: then repair the cache by query-aware selective recompute
     (:mod:`cachecert_agents.transfer.repair`): the receiver computes its own keys/values for that fraction of the
     context tokens, those ``prompt.suffix_ids`` attends to most on the transferred cache. Its time is included.
+    On a receiver with sliding-window layers the transfer and the repair run on a full-length cache, which is cut
+    back to the receiver's own layout at the end.
+
+    ``windowed=False`` returns that full-length cache instead (every row at every layer; what
+    :func:`~cachecert_agents.transfer.repair.choose_tokens` needs on a sliding-window receiver). It generates the
+    same tokens, at the memory of a full-attention cache.
     """
     import copy
 
@@ -160,6 +167,9 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     if not 0 <= split <= geo.num_layers:
         raise ValueError(f"split must be in [0, {geo.num_layers}], got {split}")
     cache = copy.deepcopy(prefix_cache) if prefix_cache is not None else receiver.prefill(prompt.prefix_ids).cache
+    full_length = bool(geo.sliding_layers) and (recompute > 0 or not windowed)
+    if full_length:
+        cache = full_length_cache(cache)
     start, end = prompt.context_span
     positions = torch.arange(start, end)
     t0 = time.perf_counter()
@@ -202,11 +212,11 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     recomputed = 0
     if recompute > 0 and split > 0:
-        from cachecert_agents.transfer.repair import choose_tokens, recompute_tokens
-
         index = choose_tokens(receiver, cache, prompt, recompute)
         recompute_tokens(receiver, cache, prompt.context_ids, start, index)
         recomputed = int(index.numel())
+    if full_length and windowed:
+        cache = windowed_cache(cache, geo)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
                           recomputed)

@@ -19,8 +19,11 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
 - :func:`lexical_relevance` scores the context tokens without any cache (the suffix's token ids found in the
   context, weighted by their rarity there): the control that asks whether the choice needs the transfer at all.
 
-Receivers with sliding-window layers (Gemma 3) are refused: their cache keeps only the window, so the tokens'
-rows cannot be overwritten in place.
+Receivers with sliding-window layers (Gemma 3): their own cache keeps only the last ``window - 1`` rows of a
+sliding layer, but a recomputed token early in the context needs its window there, and the suffix pass needs every
+row's position. Selection and recompute therefore run on a *full-length* cache (:func:`full_length_cache`: every
+layer keeps every row; the model's masks still apply each layer's window, by position), and the result is cut back
+to the receiver's own layout afterwards (:func:`windowed_cache`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 
 import torch
 
-from cachecert_agents.kv.segment import context_attention
+from cachecert_agents.kv.segment import build_dynamic_cache, context_attention
+from cachecert_agents.models.geometry import ModelGeometry
 from cachecert_agents.models.handle import ModelHandle
 
 
@@ -51,10 +55,45 @@ class ScatterCache:
         return layer.keys, layer.values
 
 
-def _check_receiver(receiver: ModelHandle) -> None:
-    if receiver.geometry.sliding_layers:
-        raise ValueError(f"selective recompute needs a receiver without sliding-window layers; {receiver.name} has "
-                         f"{len(receiver.geometry.sliding_layers)} (its cache keeps only the window)")
+def full_length_cache(cache: Any) -> Any:
+    """The same keys/values as ``cache`` in a ``DynamicCache`` whose every layer keeps every row (no sliding-window
+    eviction), so later updates keep them too. ``cache`` must still hold every row at every layer (e.g. a template
+    prefix shorter than the window); otherwise a ValueError says which layer dropped rows."""
+    from transformers import DynamicCache
+
+    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
+    if not layers:
+        return DynamicCache()
+    length = cache.get_seq_length()
+    for i, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.keys.shape[-2] != length:
+            stored = 0 if layer.keys is None else layer.keys.shape[-2]
+            raise ValueError(f"layer {i} of the cache stores {stored} of its {length} rows (a sliding window "
+                             f"dropped the rest); a full-length cache cannot be rebuilt from it")
+    return build_dynamic_cache([(layer.keys, layer.values) for layer in cache.layers],
+                               [None] * len(cache.layers), length)
+
+
+def windowed_cache(cache: Any, geometry: ModelGeometry) -> Any:
+    """The receiver's own cache layout from a full-length ``cache``: each sliding-window layer keeps its last
+    ``window - 1`` rows (what the model's own prefill keeps), full-attention layers keep all. A receiver without
+    sliding layers gets ``cache`` back unchanged."""
+    windows = geometry.layer_windows()
+    if not any(w is not None for w in windows):
+        return cache
+    layers = [(layer.keys, layer.values) if w is None else (layer.keys[:, :, -(w - 1):], layer.values[:, :, -(w - 1):])
+              for layer, w in zip(cache.layers, windows)]
+    return build_dynamic_cache(layers, windows, cache.get_seq_length())
+
+
+def _check_full_length(cache: Any) -> None:
+    """Selection and recompute read and write every context row: a cache that evicted rows is refused."""
+    length = cache.get_seq_length()
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False) or (layer.keys is not None and layer.keys.shape[-2] != length):
+            raise ValueError(f"selective recompute needs a full-length cache, but layer {i} is a sliding-window "
+                             f"layer that keeps only its window; build the transfer with windowed=False "
+                             f"(transfer.apply.transfer) or convert with repair.full_length_cache")
 
 
 @torch.inference_mode()
@@ -64,8 +103,9 @@ def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor
     (the transferred cache over ``prefix + context``, length ``end``): per layer, the largest attention weight any
     head and suffix token puts on the token, summed over layers. The maximum over heads singles out the sharp
     (retrieval) heads; a plain sum is dominated by attention sinks (frequent function words), which every head
-    touches a little. The suffix pass is undone afterwards (the cache is cropped back to ``end``)."""
-    _check_receiver(receiver)
+    touches a little. The suffix pass is undone afterwards (the cache is cropped back to ``end``). ``cache`` must be
+    full-length (:func:`full_length_cache`); on sliding-window layers the suffix sees its window only, as usual."""
+    _check_full_length(cache)
     start, end = span
     out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
     total = end + int(suffix_ids.numel())
@@ -134,8 +174,10 @@ def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tenso
     """Overwrite, in place, the keys/values of context tokens ``index`` (``[k]``, offsets into ``context_ids``
     ``[n]``, which sit at positions ``start .. start + n - 1`` of ``cache``) with the receiver's own, computed at
     every layer. Each chosen token attends to every cached position up to its own (the cache's rows for the
-    others, the new rows for the chosen ones), so ``index = all`` reproduces the receiver's full prefill."""
-    _check_receiver(receiver)
+    others, the new rows for the chosen ones), so ``index = all`` reproduces the receiver's full prefill.
+    ``cache`` must be full-length (:func:`full_length_cache`); on a sliding-window layer a token attends to the
+    positions within its window, as in the model's own prefill."""
+    _check_full_length(cache)
     if index.numel() == 0:
         return
     total = start + int(context_ids.numel())
@@ -144,9 +186,17 @@ def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tenso
     positions = (index + start).to(receiver.device)
     allowed = torch.arange(total, device=receiver.device)[None, :] <= positions[:, None]  # [k, total]
     dtype = receiver.model.dtype
-    # additive (0 / most negative), which eager and SDPA attention both read the same way; 4-D masks pass as-is
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=receiver.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min)[None, None]
+
+    def additive(keep: torch.Tensor) -> torch.Tensor:
+        # additive (0 / most negative), which eager and SDPA attention read the same way; 4-D masks pass as-is
+        return torch.zeros(keep.shape, dtype=dtype, device=receiver.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[None, None]
+
+    mask: Any = additive(allowed)
+    window = receiver.geometry.sliding_window
+    if receiver.geometry.sliding_layers:  # one mask per layer type, as the model's forward accepts them
+        in_window = torch.arange(total, device=receiver.device)[None, :] > positions[:, None] - window
+        mask = {"full_attention": mask, "sliding_attention": additive(allowed & in_window)}
     receiver.model(input_ids=context_ids.reshape(-1)[index].reshape(1, -1).to(receiver.device),
                    position_ids=positions.reshape(1, -1), attention_mask=mask,
                    cache=ScatterCache(cache, positions), use_cache=True, logits_to_keep=1)
