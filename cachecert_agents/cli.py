@@ -448,6 +448,8 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                       f"{r['baselines']['residual_fraction']:.3f}  splits: "
                       + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
     workload = workloads[0]
+    if args.out and Path(args.out).exists() and not args.retention_workload:
+        results = _merge_cti_pairs(json.loads(Path(args.out).read_text())["results"]["pairs"], results, args.out)
     payload: dict = {"pairs": results}
     if args.all or args.out:
         transfer_rows = json.loads(Path(args.transfer).read_text())["results"] if Path(args.transfer).exists() else []
@@ -472,6 +474,29 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                              Path(args.plots), artifact_stem)
     _emit(payload if args.all else results[0], args.json)
     return 0
+
+
+_CTI_SETTINGS = ("gcv", "rho")  # what makes two runs' indices incomparable; context counts are kept per pair
+
+
+def _merge_cti_pairs(existing: list[dict], new: list[dict], path: str) -> list[dict]:
+    """The pairs of an earlier ``cachecert cti --out`` file that this run did not compute, then this run's (which
+    replace the earlier ones of the same sender, receiver and statistics workload). A file computed with another
+    residual or ridge is refused rather than mixed or lost; each pair keeps its context counts and command."""
+    for old in existing:
+        for key in _CTI_SETTINGS:
+            if new and old.get(key) != new[0].get(key):
+                raise CacheCertError(
+                    f"{path} holds pairs computed with {key}={old.get(key)!r}, this run used {new[0].get(key)!r}: "
+                    f"write to another --out (or remove the file) so neither is mixed or lost")
+    command = "cachecert " + " ".join(sys.argv[1:])
+    for r in new:
+        r.setdefault("command", command)
+    keys = {(r["sender"], r["receiver"], r["statistics_workload"]) for r in new}
+    kept = [r for r in existing if (r["sender"], r["receiver"], r["statistics_workload"]) not in keys]
+    if kept:
+        logger.info("%s: kept %d pair(s) of the earlier run, added or replaced %d", path, len(kept), len(new))
+    return kept + new
 
 
 def _cmd_certify(args: argparse.Namespace) -> int:

@@ -374,3 +374,21 @@ def test_pairs_with_mappers_lists_default_mappers_of_the_workload(cache_home):
     assert pairs_with_mappers("hotpotqa") == [("a", "b"), ("c", "b")]
     assert pairs_with_mappers("squad-long") == [("a", "b")]
     assert pairs_with_mappers("report") == []
+
+
+def test_cti_results_merge_by_pair_and_refuse_other_settings():
+    """``cachecert cti --out`` onto an earlier file keeps the pairs it did not compute, replaces the ones it did,
+    and refuses a file computed with another residual (neither mixed nor lost)."""
+    from cachecert_agents.cli import _merge_cti_pairs
+    from cachecert_agents.errors import CacheCertError
+
+    def pair(s, r, cti, gcv=True):
+        return {"sender": s, "receiver": r, "statistics_workload": "hotpotqa", "cti": cti, "gcv": gcv, "rho": 0.01}
+
+    old = [pair("a", "b", 0.5), pair("a", "c", 0.7)]
+    merged = _merge_cti_pairs(old, [pair("a", "c", 0.9), pair("b", "c", 0.3)], "cti.json")
+    assert {(p["sender"], p["receiver"]): p["cti"] for p in merged} == {("a", "b"): 0.5, ("a", "c"): 0.9,
+                                                                        ("b", "c"): 0.3}
+    assert all("command" in p for p in merged if p["cti"] != 0.5)
+    with pytest.raises(CacheCertError, match="gcv"):
+        _merge_cti_pairs(old, [pair("b", "c", 0.3, gcv=False)], "cti.json")
