@@ -106,3 +106,12 @@ def test_merging_summary_rows_keeps_the_larger_measurement(tmp_path, caplog):
     assert (rows["ridge-kv"]["n"], rows["ridge-kv"]["retention"]) == (100, 0.5)
     assert (rows["split@6"]["n"], rows["split@6"]["retention"]) == (100, 0.7)
     assert "kept the existing row" in caplog.text
+
+
+def test_pareto_frontier_keeps_the_points_nothing_beats_on_both_axes():
+    from cachecert_agents.eval.report import _is_transfer, pareto_frontier
+
+    pts = [(0.95, 0.4), (0.7, 0.9), (0.5, 0.7), (0.25, 0.7), (0.7, 0.8), (0.0, 1.0)]
+    assert pareto_frontier(pts) == [(0.0, 1.0), (0.7, 0.9), (0.95, 0.4)]
+    assert _is_transfer("ridge-kv+r20") and _is_transfer("split@17+w13")
+    assert not _is_transfer("pruned-context@20") and not _is_transfer("lexical-context@35")

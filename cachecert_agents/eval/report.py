@@ -50,6 +50,26 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
     return Path(out_md)
 
 
+def _is_transfer(method: str) -> bool:
+    """A transfer method (split@K..., ridge-kv, their +wW/+aA/+rP variants), not a control such as
+    ``pruned-context@20``."""
+    from cachecert_agents.eval.transfer_eval import parse_method
+
+    try:
+        parse_method(method)
+    except ValueError:
+        return False
+    return True
+
+
+def pareto_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points ``(prefill_saved, retention)`` that no other point beats on both (at least as much saved and
+    strictly more retained, or strictly more saved and at least as much retained), sorted by saving."""
+    front = [p for p in points
+             if not any((q[0] >= p[0] and q[1] > p[1]) or (q[0] > p[0] and q[1] >= p[1]) for q in points)]
+    return sorted(set(front))
+
+
 def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -60,25 +80,35 @@ def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
     out = []
     pairs = sorted({(r["sender"], r["receiver"]) for r in rows})
     for sender, receiver in pairs:
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        top = 1.2
         for workload in sorted({r["workload"] for r in rows if (r["sender"], r["receiver"]) == (sender, receiver)}):
-            pts = sorted((r["prefill_saved"], r["retention"] or 0.0, r["method"]) for r in rows
-                         if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload))
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=workload)
-            for x, y, m in pts:
-                ax.annotate(m, (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-            floor = [r for r in rows if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload)
-                     and r.get("score_no_context") is not None and r["score_full"]]
+            mine = [r for r in rows if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload)
+                    and r.get("prefill_saved") is not None]
+            methods = [r for r in mine if _is_transfer(r["method"])]
+            controls = [r for r in mine if not _is_transfer(r["method"])]
+            pts = sorted((r["prefill_saved"], r["retention"] or 0.0, r["method"]) for r in methods)
+            front = pareto_frontier([(x, y) for x, y, _ in pts])
+            line, = ax.plot([p[0] for p in front], [p[1] for p in front], "-", alpha=0.6, label=workload)
+            color = line.get_color()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color)
+            ax.plot([r["prefill_saved"] for r in controls], [r["retention"] or 0.0 for r in controls], "s",
+                    mfc="none", color=color)
+            for r in methods + controls:
+                ax.annotate(r["method"], (r["prefill_saved"], r["retention"] or 0.0), fontsize=6,
+                            textcoords="offset points", xytext=(3, 3))
+                top = max(top, (r["retention"] or 0.0) + 0.1)
+            floor = [r for r in mine if r.get("score_no_context") is not None and r["score_full"]]
             if floor:
-                ax.axhline(floor[0]["score_no_context"] / floor[0]["score_full"], ls="--", color=line.get_color(),
-                           alpha=0.5)
+                ax.axhline(floor[0]["score_no_context"] / floor[0]["score_full"], ls="--", color=color, alpha=0.5)
         ax.set_xlabel("receiver prefill saved (measured)")
         ax.set_ylabel("retention (score transfer / score full)")
         ax.set_title(f"{sender} -> {receiver}", fontsize=9)
         ax.set_xlim(-0.05, 1.05)
-        ax.set_ylim(-0.05, 1.2)
+        ax.set_ylim(-0.05, top)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="dashed: no context", title_fontsize=7)
+        ax.legend(fontsize=7, title="line: frontier of transfer methods\nsquares: controls; dashed: no context",
+                  title_fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         path = plot_dir / f"frontier_{sender}__{receiver}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
