@@ -61,10 +61,9 @@ def full_length_cache(cache: Any) -> Any:
     prefix shorter than the window); otherwise a ValueError says which layer dropped rows."""
     from transformers import DynamicCache
 
-    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
-    if not layers:
-        return DynamicCache()
     length = cache.get_seq_length()
+    if length == 0:
+        return DynamicCache()
     for i, layer in enumerate(cache.layers):
         if layer.keys is None or layer.keys.shape[-2] != length:
             stored = 0 if layer.keys is None else layer.keys.shape[-2]
@@ -81,8 +80,8 @@ def windowed_cache(cache: Any, geometry: ModelGeometry) -> Any:
     windows = geometry.layer_windows()
     if not any(w is not None for w in windows):
         return cache
-    layers = [(layer.keys, layer.values) if w is None else (layer.keys[:, :, -(w - 1):], layer.values[:, :, -(w - 1):])
-              for layer, w in zip(cache.layers, windows)]
+    keep = [slice(None) if w is None else slice(-(w - 1), None) for w in windows]
+    layers = [(layer.keys[:, :, rows], layer.values[:, :, rows]) for layer, rows in zip(cache.layers, keep)]
     return build_dynamic_cache(layers, windows, cache.get_seq_length())
 
 
