@@ -272,6 +272,7 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
             records, full = evaluate_transfer(sender, receiver, workload, mapper, splits, args.n,
                                               Path(args.results_dir), scorer=scorer,
                                               controls=not args.no_controls, recompute=args.recompute,
+                                              recompute_splits=_recompute_splits(args, splits, receiver),
                                               transfers=not args.controls_only)
             all_rows += _finish_transfer_rows(summarise(records, full), workload, args.n_calibration,
                                               args.summary, args.json)
@@ -300,6 +301,20 @@ def _finish_transfer_rows(rows: list[dict], workload: Any, n_calibration: int | 
     return rows
 
 
+def _recompute_splits(args: argparse.Namespace, splits: list[int], receiver: Any) -> list[int] | None:
+    """The splits ``--recompute-splits`` names ('all': every evaluated split; None: the default)."""
+    if args.recompute_splits is None:
+        return None
+    if args.recompute_splits == "all":
+        return list(splits)
+    chosen = _parse_splits(args.recompute_splits, receiver.geometry.num_layers)
+    missing = [s for s in chosen if s not in splits]
+    if missing:
+        raise CacheCertError(f"--recompute-splits {args.recompute_splits}: split(s) {missing} are not among "
+                             f"--splits {args.splits} ({splits})")
+    return chosen
+
+
 def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.transfer_cost import transfer_cost
     from cachecert_agents.eval.transfer_eval import build_mapper
@@ -309,7 +324,8 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width,
                           anchor=args.anchor)
     rows = transfer_cost(sender, receiver, mapper, splits, [int(x) for x in args.context_tokens.split(",")],
-                         args.repeats, recompute=args.recompute)
+                         args.repeats, recompute=args.recompute,
+                         recompute_splits=_recompute_splits(args, splits, receiver))
     if args.out:
         _merge_rows(args.out, rows, key=("sender", "receiver", "context_tokens", "method"))
     if not args.json:
@@ -902,8 +918,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
                         "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
-                   help="also evaluate each split repaired by query-aware selective recompute of P percent of the "
-                        "context tokens (methods ...+rP)")
+                   help="also evaluate the pure KV transfer (L, when among --splits; else every split) repaired by "
+                        "query-aware selective recompute of P percent of the context tokens (methods ...+rP)")
+    p.add_argument("--recompute-splits", default=None, metavar="SPLITS",
+                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L)")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
@@ -1021,7 +1039,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the split@K+wW mapper (see eval transfer --hidden-width)")
     p.add_argument("--anchor", type=int, default=None, metavar="A", help="time the +aA mapper (see eval transfer)")
     p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
-                   help="also time each split repaired by selective recompute of P percent (methods ...+rP)")
+                   help="also time the pure KV transfer (as eval transfer) repaired by selective recompute of P "
+                        "percent (methods ...+rP)")
+    p.add_argument("--recompute-splits", default=None, metavar="SPLITS",
+                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
     p.add_argument("--device", default="cpu")

@@ -115,3 +115,30 @@ def test_pareto_frontier_keeps_the_points_nothing_beats_on_both_axes():
     assert pareto_frontier(pts) == [(0.0, 1.0), (0.7, 0.9), (0.95, 0.4)]
     assert _is_transfer("ridge-kv+r20") and _is_transfer("split@17+w13")
     assert not _is_transfer("pruned-context@20") and not _is_transfer("lexical-context@35")
+
+
+def test_recompute_repairs_the_pure_kv_transfer_unless_told_otherwise():
+    from cachecert_agents.eval.transfer_eval import method_variants
+
+    assert method_variants([6, 12, 24], (20, 35), num_layers=24) == [
+        (6, None), (12, None), (24, None), (24, 20), (24, 35)]
+    assert method_variants([6, 12], (20,), num_layers=24) == [(6, None), (12, None), (6, 20), (12, 20)]
+    assert method_variants([6, 24], (20,), num_layers=24, repaired=[6, 24]) == [
+        (6, None), (24, None), (6, 20), (24, 20)]
+    assert method_variants([6, 24], (), num_layers=24) == [(6, None), (24, None)]
+
+
+def test_recompute_splits_option_parses_all_named_and_refuses_unknown_splits():
+    import argparse
+    from types import SimpleNamespace
+
+    from cachecert_agents.cli import _recompute_splits
+    from cachecert_agents.errors import CacheCertError
+
+    receiver = SimpleNamespace(geometry=SimpleNamespace(num_layers=24))
+    ns = lambda v: argparse.Namespace(recompute_splits=v, splits="0.25,L")  # noqa: E731
+    assert _recompute_splits(ns(None), [6, 24], receiver) is None
+    assert _recompute_splits(ns("all"), [6, 24], receiver) == [6, 24]
+    assert _recompute_splits(ns("0.25"), [6, 24], receiver) == [6]
+    with pytest.raises(CacheCertError, match="not among --splits"):
+        _recompute_splits(ns("12"), [6, 24], receiver)

@@ -23,8 +23,10 @@ INSTRUCTION = "Summarise the text above in one sentence."
 
 
 def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMapper, splits: list[int],
-                  context_tokens: list[int], repeats: int = 3, recompute: tuple[int, ...] = ()) -> list[dict]:
-    """Rows per context length and method: each split, and each split repaired by selective recompute of every
+                  context_tokens: list[int], repeats: int = 3, recompute: tuple[int, ...] = (),
+                  recompute_splits: list[int] | None = None) -> list[dict]:
+    """Rows per context length and method: each split, and the splits in ``recompute_splits`` (default: see
+    :func:`~cachecert_agents.eval.transfer_eval.method_variants`) repaired by selective recompute of every
     percentage in ``recompute`` (``...+rP``; its suffix pass over the instruction is charged)."""
     rows = []
     for n in context_tokens:
@@ -39,7 +41,7 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
             receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
             prefill.append(time.perf_counter() - t0)
         prefill_med = statistics.median(prefill)
-        for s, pct in method_variants(splits, recompute):
+        for s, pct in method_variants(splits, recompute, receiver.geometry.num_layers, recompute_splits):
             times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix,
                               recompute=(pct or 0) / 100).transfer_s for _ in range(repeats)]
             med = statistics.median(times)

@@ -60,10 +60,16 @@ def method_name(split: int, num_layers: int, hidden_width: int | None = None, an
     return f"split@{split}" + (f"+w{hidden_width}" if hidden_width else "") + tail
 
 
-def method_variants(splits: list[int], recompute: tuple[int, ...] = ()) -> list[tuple[int, int | None]]:
-    """``(split, recompute percent or None)`` of every transfer method asked for: each split as it is, then each
-    split repaired by selective recompute of every percentage in ``recompute``."""
-    return [(s, None) for s in splits] + [(s, p) for s in splits for p in recompute]
+def method_variants(splits: list[int], recompute: tuple[int, ...] = (), num_layers: int | None = None,
+                    repaired: list[int] | None = None) -> list[tuple[int, int | None]]:
+    """``(split, recompute percent or None)`` of every transfer method asked for: each split as it is, then the
+    splits in ``repaired`` repaired by selective recompute of every percentage in ``recompute``. By default
+    (``repaired`` None) only the pure KV transfer (``num_layers``) is repaired when it is among ``splits``, every
+    split otherwise: a split transfer already recomputes its upper layers, and repairing each one as well
+    multiplies the work for little."""
+    if repaired is None:
+        repaired = [s for s in splits if s == num_layers] or list(splits)
+    return [(s, None) for s in splits] + [(s, p) for s in repaired for p in recompute]
 
 
 class MethodSpec(NamedTuple):
@@ -171,8 +177,8 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
-                      offset: int = 0, recompute: tuple[int, ...] = (), transfers: bool = True
-                      ) -> tuple[list[dict], list[dict]]:
+                      offset: int = 0, recompute: tuple[int, ...] = (), transfers: bool = True,
+                      recompute_splits: list[int] | None = None) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -181,8 +187,9 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips the
     no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
     ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
-    records of different subsets in different ``results_dir``. ``recompute`` (percentages) adds, for every
-    split, the transfer repaired by query-aware selective recompute of that share of the context (``...+rP``).
+    records of different subsets in different ``results_dir``. ``recompute`` (percentages) adds the transfer
+    repaired by query-aware selective recompute of that share of the context (``...+rP``), for the splits in
+    ``recompute_splits`` (default: see :func:`method_variants`).
     ``transfers=False`` runs the controls only (e.g. to add ``pruned-context@P`` to a finished run while another
     process runs the transfers)."""
     L = receiver.geometry.num_layers
@@ -200,7 +207,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
-    variants = method_variants(splits, recompute) if transfers else []
+    variants = method_variants(splits, recompute, L, recompute_splits) if transfers else []
     pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
     lexical = [f"lexical-context@{p}" for p in recompute] if controls else []
     transfer_methods = [method_name(s, L, width, anchor, p) for s, p in variants]
