@@ -19,9 +19,8 @@ from pathlib import Path
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.metrics import ratio_interval
-from cachecert_agents.eval.transfer_eval import artifact_stem, full_reference_path, latest_records
+from cachecert_agents.eval.transfer_eval import load_records
 from cachecert_agents.eval.workloads import get_workload
-from cachecert_agents.jsonl import read_jsonl
 
 METHODS = ["ridge-kv", "ridge-kv+r20", "ridge-kv+r35", "pruned-context@20", "pruned-context@35",
            "lexical-context@20", "lexical-context@35", "no-context"]
@@ -29,9 +28,8 @@ METHODS = ["ridge-kv", "ridge-kv+r20", "ridge-kv+r35", "pruned-context@20", "pru
 
 def compare(results_dir: Path, sender: str, receiver: str, workload: str, n: int, methods: list[str]) -> dict:
     ids = [e.id for e in get_workload(workload).examples("evaluation")[:n]]
-    records = latest_records(read_jsonl(results_dir / f"{artifact_stem(sender, receiver, workload)}.jsonl"), ids)
-    full = {r["id"]: r for r in latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload)),
-                                                ids)}
+    records, full_records = load_records(results_dir, sender, receiver, workload, ids)
+    full = {r["id"]: r for r in full_records}
     by = {(r["id"], r["method"]): r for r in records}
     present = [m for m in methods if any(k[1] == m for k in by)]
     common = [i for i in ids if i in full and all((i, m) in by for m in present)]

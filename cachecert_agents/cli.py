@@ -150,7 +150,7 @@ def write_result_file(path: str, results: Any) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "command": "cachecert " + " ".join(sys.argv[1:]),
+        "command": _command_line(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"cachecert_agents": __version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
@@ -388,20 +388,16 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     is run and no model is loaded."""
     from pathlib import Path
 
-    from cachecert_agents.eval.transfer_eval import (artifact_stem, full_reference_path, latest_records,
-                                                      summarise)
+    from cachecert_agents.eval.transfer_eval import load_records, records_path, summarise
     from cachecert_agents.eval.workloads import get_workload
-    from cachecert_agents.jsonl import read_jsonl
 
     sender, receiver = args.pair
     workload = get_workload(args.workload, data=args.data)
     ids = [e.id for e in workload.examples("evaluation")[:args.n]]
-    results_dir = Path(args.results_dir)
-    path = results_dir / f"{artifact_stem(sender, receiver, workload.name)}.jsonl"
+    path = records_path(Path(args.results_dir), sender, receiver, workload.name)
     if not path.exists():
         raise CacheCertError(f"no records at {path}; run `cachecert eval transfer` first")
-    rows = summarise(latest_records(read_jsonl(path), ids),
-                     latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload.name)), ids))
+    rows = summarise(*load_records(Path(args.results_dir), sender, receiver, workload.name, ids))
     _emit(_finish_transfer_rows(rows, workload, args.n_calibration, args.summary, args.json), args.json)
     return 0
 
@@ -505,7 +501,7 @@ def _merge_cti_pairs(existing: list[dict], new: list[dict], path: str) -> list[d
                 raise CacheCertError(
                     f"{path} holds pairs computed with {key}={old.get(key)!r}, this run used {new[0].get(key)!r}: "
                     f"write to another --out (or remove the file) so neither is mixed or lost")
-    command = "cachecert " + " ".join(sys.argv[1:])
+    command = _command_line()
     for r in new:
         r.setdefault("command", command)
     keys = {(r["sender"], r["receiver"], r["statistics_workload"]) for r in new}
@@ -627,7 +623,7 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     if args.out:
         _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
         merged = json.loads(Path(args.out).read_text())["results"]
-        write_markdown(merged, "cachecert " + " ".join(sys.argv[1:]), Path(args.out).with_suffix(".md"))
+        write_markdown(merged, _command_line(), Path(args.out).with_suffix(".md"))
         plot_certification(merged, Path(args.plots))
     if not args.json:
         for r in rows:
@@ -637,6 +633,11 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
                       f"(max {r['risk_max']:.3f}) accept={r['accept_rate']:.2f} saved={r['prefill_saved']:.3f}")
     _emit([{k: v for k, v in r.items() if k != "test_risks"} for r in rows], args.json)
     return 0
+
+
+def _command_line() -> str:
+    """The command being run, as results files record it."""
+    return "cachecert " + " ".join(sys.argv[1:])
 
 
 def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method")
@@ -649,7 +650,7 @@ def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "
     from pathlib import Path
 
     for row in rows:
-        row.setdefault("command", "cachecert " + " ".join(sys.argv[1:]))
+        row.setdefault("command", _command_line())
 
     existing: list[dict] = []
     if Path(path).exists():
@@ -803,7 +804,7 @@ def _bench_overhead_only(args: argparse.Namespace) -> int:
     examples = get_workload("report", data=args.data or _sample_data()).examples("evaluation",
                                                                                   limit=args.overhead_steps)
     overhead = wrapper_overhead(handle, examples, repeats=args.overhead_repeats)
-    overhead["command"] = "cachecert " + " ".join(sys.argv[1:])
+    overhead["command"] = _command_line()
     overhead["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(f"wrapper's own time on a prefill step: median {overhead['overhead_own_median']:+.2%} of the step "
           f"({overhead['overhead_own_s_median'] * 1000:.1f} ms); end to end median {overhead['overhead_median']:+.2%}"

@@ -29,7 +29,7 @@ import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
 from cachecert_agents.cert.scores import SCORE_VERSION, SCORES
-from cachecert_agents.eval.transfer_eval import artifact_stem
+from cachecert_agents.eval.transfer_eval import records_path
 from cachecert_agents.jsonl import read_jsonl
 
 
@@ -72,7 +72,7 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
     """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
     without risk scores, e.g. controls or runs with ``--no-scores``, or with scores of another definition
     version, are skipped). The last record per (id, method) wins."""
-    path = Path(results_dir) / f"{artifact_stem(sender, receiver, workload)}.jsonl"
+    path = records_path(results_dir, sender, receiver, workload)
     latest: dict[tuple[str, str], dict] = {}
     for rec in read_jsonl(path):
         if "risk" in rec and "agree" in rec and rec["risk"].get("version") == SCORE_VERSION:

@@ -174,6 +174,19 @@ def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path
     return results_dir / "full" / f"{receiver}__{workload}.jsonl".replace("/", "_")
 
 
+def records_path(results_dir: Path, sender: str, receiver: str, workload: str) -> Path:
+    """Where the per-example records of a pair on a workload are appended (JSONL)."""
+    return Path(results_dir) / f"{artifact_stem(sender, receiver, workload)}.jsonl"
+
+
+def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str]
+                 ) -> tuple[list[dict], list[dict]]:
+    """The latest records of a pair (every method) and the receiver's full-prefill records, for the example
+    ``ids`` only: the input of :func:`summarise`."""
+    return (latest_records(read_jsonl(records_path(results_dir, sender, receiver, workload)), ids),
+            latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload)), ids))
+
+
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
@@ -196,7 +209,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     width, anchor = mapper.header.get("hidden_width"), mapper.anchor
     if recompute and anchor is not None:
         raise ValueError("selective recompute (+rP) is not defined for anchored mappers (+aA)")
-    path = results_dir / f"{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
+    path = records_path(results_dir, sender.name, receiver.name, workload.name)
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
     done = {(r["id"], r["method"]) for r in read_jsonl(path)
@@ -291,8 +304,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                 t0 = time.perf_counter()
                 index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
                 answer_on_subset(m, r_prompt.context_ids.reshape(-1)[index], t0)
-    wanted = [ex.id for ex in examples]
-    return latest_records(read_jsonl(path), wanted), latest_records(read_jsonl(full_path), wanted)
+    return load_records(results_dir, sender.name, receiver.name, workload.name, [ex.id for ex in examples])
 
 
 def latest_records(records: list[dict], ids: list[str]) -> list[dict]:
