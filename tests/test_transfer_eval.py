@@ -142,3 +142,16 @@ def test_recompute_splits_option_parses_all_named_and_refuses_unknown_splits():
     assert _recompute_splits(ns("0.25"), [6, 24], receiver) == [6]
     with pytest.raises(CacheCertError, match="not among --splits"):
         _recompute_splits(ns("12"), [6, 24], receiver)
+
+
+def test_coverage_grid_counts_cells_against_the_required_n():
+    from cachecert_agents.eval.report import coverage_grid
+
+    rows = [{"sender": "a", "receiver": "b", "workload": "w1", "method": "ridge-kv", "n": 100},
+            {"sender": "a", "receiver": "b", "workload": "w1", "method": "split@6", "n": 31},
+            {"sender": "b", "receiver": "a", "workload": "w2", "method": "split@6", "n": 31},
+            {"sender": "b", "receiver": "a", "workload": "w1", "method": "pruned-context@20", "n": 500}]
+    lines = coverage_grid(rows, ["a", "b"], ["w1", "w2"])
+    assert lines[2] == "| a -> b (needs 100) | 100 ✓ | - |"
+    assert lines[3] == "| b -> a (needs 100) | - | 31 |"  # a control alone does not count as a measured cell
+    assert lines[-1] == "2 of 4 cells measured, 1 at the required n."

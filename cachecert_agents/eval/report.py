@@ -39,6 +39,12 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
         cells = [_fmt(r.get(c)) + (" †" if c == "prefill_saved" and r.get("prefill_timing") != "same run" else "")
                  for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
+    from cachecert_agents.eval.workloads import WORKLOADS
+    from cachecert_agents.models.registry import EMBEDDED_MODELS
+
+    lines += ["", "## Coverage of the pair x workload grid", "",
+              "Largest n of any transfer method per cell (✓: the required n is reached).", "",
+              *coverage_grid(rows, list(EMBEDDED_MODELS), list(WORKLOADS))]
     plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []
     if plots:
         lines += ["", "## Frontiers", ""]
@@ -48,6 +54,40 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
             lines.append(f"![{p.stem}]({p.relative_to(base) if p.is_relative_to(base) else p})")
     Path(out_md).write_text("\n".join(lines) + "\n")
     return Path(out_md)
+
+
+#: Evaluation examples a (pair, workload) cell needs: 100, or 50 where the receiver is the 1.5B model (whose
+#: prefill runs at about 60 tokens/s on CPU).
+REQUIRED_N_DEFAULT = 100
+REQUIRED_N_BY_RECEIVER = {"qwen2.5-coder-1.5b": 50}
+
+
+def coverage_grid(rows: list[dict], models: list[str], workloads: list[str]) -> list[str]:
+    """Markdown lines: one row per directed pair of ``models``, one column per workload; a cell is the largest
+    ``n`` of any transfer method measured there (``-``: none), with ``✓`` where it reaches the required ``n``
+    (``REQUIRED_N_BY_RECEIVER``, else ``REQUIRED_N_DEFAULT``), and a last line counting the cells."""
+    best: dict[tuple[str, str, str], int] = {}
+    for r in rows:
+        if _is_transfer(r["method"]):
+            key = (r["sender"], r["receiver"], r["workload"])
+            best[key] = max(best.get(key, 0), int(r["n"]))
+    lines = ["| sender -> receiver | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
+    measured = complete = 0
+    for sender in models:
+        for receiver in models:
+            if sender == receiver:
+                continue
+            need = REQUIRED_N_BY_RECEIVER.get(receiver, REQUIRED_N_DEFAULT)
+            cells = []
+            for workload in workloads:
+                n = best.get((sender, receiver, workload))
+                measured += n is not None
+                complete += n is not None and n >= need
+                cells.append("-" if n is None else f"{n}" + (" ✓" if n >= need else ""))
+            lines.append(f"| {sender} -> {receiver} (needs {need}) | " + " | ".join(cells) + " |")
+    total = len(models) * (len(models) - 1) * len(workloads)
+    lines += ["", f"{measured} of {total} cells measured, {complete} at the required n."]
+    return lines
 
 
 def _is_transfer(method: str) -> bool:
