@@ -402,10 +402,18 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_dir(args: argparse.Namespace) -> Path:
+    """``--plots``, or a ``plots/`` folder beside ``--out`` (so a report written elsewhere keeps its plots
+    out of the repository's docs/results/plots)."""
+    from pathlib import Path
+
+    return Path(args.plots) if args.plots else Path(args.out).parent / "plots"
+
+
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
 
-    out = transfer_markdown(args.results, args.out, args.plots)
+    out = transfer_markdown(args.results, args.out, _plot_dir(args))
     print(f"wrote {out}")
     return 0
 
@@ -483,7 +491,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             from cachecert_agents.eval.cti_report import write_cti_report
 
             write_cti_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"),
-                             Path(args.plots), artifact_stem)
+                             _plot_dir(args), artifact_stem)
     _emit(payload if args.all else results[0], args.json)
     return 0
 
@@ -624,7 +632,7 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
         _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
         merged = json.loads(Path(args.out).read_text())["results"]
         write_markdown(merged, _command_line(), Path(args.out).with_suffix(".md"))
-        plot_certification(merged, Path(args.plots))
+        plot_certification(merged, _plot_dir(args))
     if not args.json:
         for r in rows:
             if r["control"] == "crc" or args.verbose:
@@ -957,7 +965,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("report", help="write transfer.md and frontier plots from transfer.json")
     p.add_argument("--results", default="docs/results/transfer.json")
     p.add_argument("--out", default="docs/results/transfer.md")
-    p.add_argument("--plots", default="docs/results/plots")
+    p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.set_defaults(func=_cmd_eval_report)
 
     p = esub.add_parser("cert", help="certification validated on many random calibration/test splits")
@@ -972,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also validate every other method screened by METHOD's risk score (e.g. ridge-kv: the "
                         "cheap transfer's score decides whether the expensive one runs)")
     p.add_argument("--out", default="docs/results/cert.json", help="merge rows here (and write cert.md beside)")
-    p.add_argument("--plots", default="docs/results/plots")
+    p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_cert)
 
@@ -1004,7 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the attention-output cosine baseline of the fitted mapper on this many evaluation "
                         "examples (needs the mapper and both models; the expensive predictor CTI replaces)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
-    p.add_argument("--plots", default="docs/results/plots")
+    p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_cti)

@@ -155,3 +155,14 @@ def test_coverage_grid_counts_cells_against_the_required_n():
     assert lines[2] == "| a -> b (needs 100) | 100 ✓ | - |"
     assert lines[3] == "| b -> a (needs 100) | - | 31 |"  # a control alone does not count as a measured cell
     assert lines[-1] == "2 of 4 cells measured, 1 at the required n."
+
+
+def test_eval_report_writes_its_plots_beside_its_output_by_default(tmp_path):
+    """A report written outside the repository must not drop plots into docs/results/plots."""
+    from cachecert_agents.cli import main
+
+    row = {"sender": "s", "receiver": "r", "workload": "w", "method": "split@7", "split": 7, "n": 3,
+           "retention": 0.8, "prefill_saved": 0.5, "prefill_timing": "same run"}
+    (tmp_path / "t.json").write_text(json.dumps({"command": "c", "date": "d", "results": [row]}))
+    assert main(["eval", "report", "--results", str(tmp_path / "t.json"), "--out", str(tmp_path / "t.md")]) == 0
+    assert (tmp_path / "plots" / "frontier_s__r.png").is_file()
