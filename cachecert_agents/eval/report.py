@@ -43,9 +43,9 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
     from cachecert_agents.models.registry import EMBEDDED_MODELS
 
     lines += ["", "## Coverage of the pair x workload grid", "",
-              "Largest n of any transfer method per cell (✓: the required n is reached). The report workload "
-              "cannot reach 100 on the bundled data: FreshWiki gives 70 usable articles, 37 of them in the "
-              "evaluation split.", "",
+              "Largest n of any transfer method per cell (✓: the required n is reached). A workload whose data "
+              "has fewer evaluation examples than the required n (report, on the bundled FreshWiki files) "
+              "cannot reach it; see docs/transfer.md.", "",
               *coverage_grid(rows, list(EMBEDDED_MODELS), list(WORKLOADS))]
     plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []
     if plots:
