@@ -611,6 +611,7 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     results_dir = Path(args.results_dir)
     if args.pair == ("all", "all"):
         keys = sorted({tuple(p.name[:-len(".jsonl")].split("__")) for p in results_dir.glob("*__*__*.jsonl")})
+        keys = [k for k in keys if len(k) == 3]  # sender__receiver__workload (not e.g. diagnose__S__R__W)
     else:
         keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
     alphas = [float(a) for a in args.alpha.split(",")]

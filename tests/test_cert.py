@@ -295,3 +295,37 @@ def test_eval_cert_and_certify_commands_with_a_screen(tmp_path, cache_home):
     assert main(args) == 2  # never silently replaced
     assert main(args[:-2] + ["--out", str(tmp_path / "x.json"), "--score", "constant"]) == 2
     assert main(args[:-2] + ["--out", str(tmp_path / "x.json"), "--n", "100"]) == 2  # too few labels, --no-run
+
+
+def test_perfect_score_saving_takes_the_safe_requests_then_alpha_of_the_unsafe():
+    """The ceiling on any score's savings: every safe request it gains on, then the unsafe ones with the largest
+    gain over refusal, at most floor(alpha * n) of them; never below 0 (a certificate may accept nothing)."""
+    from cachecert_agents.eval.cert_eval import perfect_score_saving
+
+    unsafe = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1, 1])
+    served = np.array([0.9, 0.8, 0.9, 0.7, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    refused = np.full(10, -0.1)
+    # alpha 0: the two safe ones served, eight refused
+    assert perfect_score_saving(unsafe, served, refused, 0.0) == pytest.approx((0.9 + 0.8 - 0.8) / 10)
+    # alpha 0.2: plus the two unsafe ones that gain most (0.9 and 0.7)
+    assert perfect_score_saving(unsafe, served, refused, 0.2) == pytest.approx((0.9 + 0.8 + 0.9 + 0.7 - 0.6) / 10)
+    # every transfer unsafe and costly: never trying beats any acceptance set
+    assert perfect_score_saving(np.ones(4), np.full(4, 0.5), np.full(4, -0.5), 0.1) == 0.0
+    # a request whose serving loses against refusing it is not taken even when safe
+    assert perfect_score_saving(np.array([0, 0]), np.array([0.5, -0.3]), np.array([-0.1, -0.1]), 0.0) == \
+        pytest.approx((0.5 - 0.1) / 2)
+    with pytest.raises(ValueError, match="equal-length"):
+        perfect_score_saving(np.zeros(3), np.zeros(2), np.zeros(3), 0.1)
+
+
+def test_validate_rows_carry_a_perfect_score_ceiling_above_the_certified_saving(tmp_path):
+    """No certified row may save more than the in-sample perfect score (up to split noise, its mean over test
+    halves is bounded by the pool-level optimum at the same alpha with the conformal correction on top)."""
+    from cachecert_agents.eval.cert_eval import validate
+
+    _write_screened_pool(tmp_path / "s__r__w.jsonl")
+    pool = labelled_requests(tmp_path, "s", "r", "w")
+    rows = validate(pool["split@2"], [0.1, 0.2], splits=50, delta=None)
+    for r in rows:
+        assert r["prefill_saved_perfect_score"] >= r["prefill_saved"] - 0.05
+    assert {r["prefill_saved_perfect_score"] for r in rows if r["alpha"] == 0.2} != {0.0}

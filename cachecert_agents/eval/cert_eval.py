@@ -125,6 +125,30 @@ def with_screens(labelled: dict[str, LabelledRequests], screen: str) -> dict[str
     return out
 
 
+def perfect_score_saving(unsafe: np.ndarray, gain_served: np.ndarray, gain_refused: np.ndarray,
+                         alpha: float) -> float:
+    """The most prefill any risk score could save on this pool at risk ``alpha``: the in-sample optimum of
+    ``mean_i(served_i if i accepted else refused_i)`` over acceptance sets whose served-and-unsafe count is at most
+    ``floor(alpha * n)`` (0 if every such set loses: a certificate that accepts nothing is never tried).
+
+    It accepts every safe request it gains on, then the unsafe requests with the largest gain over refusal while
+    the budget lasts. On any test set where a certificate's realised risk is at most ``alpha`` it saves at most
+    this set's optimum (and it pays the finite-sample correction besides), so the pool's optimum bounds the mean
+    certified saving up to split noise: the gap between the two is the score's, the rest of the way to 1 is the
+    transfers' (their unsafe rate).
+    Arrays of shape ``(n,)``: ``unsafe`` in {0, 1}, gains in fractions of the receiver's prefill time."""
+    u = np.asarray(unsafe, dtype=float) > 0.5
+    served, refused = np.asarray(gain_served, dtype=float), np.asarray(gain_refused, dtype=float)
+    if not (u.shape == served.shape == refused.shape) or u.ndim != 1 or u.size == 0:
+        raise ValueError(f"unsafe, gain_served and gain_refused must be equal-length 1-d arrays, got "
+                         f"{u.shape}, {served.shape}, {refused.shape}")
+    extra = served - refused  # what serving a request gains over refusing it
+    take = ~u & (extra > 0)
+    budget = int(np.floor(alpha * u.size + 1e-9))
+    unsafe_extra = np.sort(extra[u & (extra > 0)])[::-1][:budget]
+    return max(0.0, float((refused.sum() + extra[take].sum() + unsafe_extra.sum()) / u.size))
+
+
 def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta: float | None = 0.1,
              scores: tuple[str, ...] = SCORES, cal_fraction: float = 0.5, seed: int = 0) -> list[dict]:
     """Rows of ``cert.json``: per score, alpha and control (CRC; and LTT at ``delta``), ``splits`` random
@@ -149,6 +173,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": float(served.mean()),
+                    "prefill_saved_perfect_score": perfect_score_saving(labelled.unsafe, served, refused, alpha),
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
                 })
@@ -226,6 +251,8 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
             "prefill_saved_always_transfer": r0["prefill_saved_always_transfer"],
             "risk_mean": {s: r["risk_mean"] for s, r in feasible.items()},
             "prefill_saved": {s: r["prefill_saved"] for s, r in feasible.items()},
+            "prefill_saved_perfect_score": r0.get("prefill_saved_perfect_score")
+            if best is None else feasible[best].get("prefill_saved_perfect_score"),
             "infeasible_scores": sorted(set(sel) - set(feasible)),
             "best_score": best,
             "geometry_minus_best_baseline": (feasible["geometry"]["prefill_saved"] - max(baselines))
@@ -253,11 +280,15 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "Silent failures = transfers served whose answer disagrees with full prefill, as a fraction of "
                   "all requests (the realised risk). Without certification every transfer is served. "
                   "Geometry vs best baseline = the geometry score's prefill saved minus the best of entropy and "
-                  "margin (positive: geometry saves more). † = the requests' prefill times come from the cached "
+                  "margin (positive: geometry saves more). Perfect score = the most any score could save on "
+                  "this pool at the same alpha, with the best score's costs (in-sample: the safe requests plus "
+                  "alpha of the unsafe ones; `perfect_score_saving`): what is left between it and 1 is the "
+                  "transfers' doing, not the certificate's. † = the requests' prefill times come from the cached "
                   "full-prefill reference, possibly timed in another run under another load: those savings are "
                   "not comparable (see transfer.md).", "",
                   "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
-                  "score) | prefill saved: always -> certified | best score | geometry vs best baseline |",
+                  "score) | prefill saved: always -> certified (perfect score) | best score | geometry vs best "
+                  "baseline |",
                   "|---|---|---|---|---|---|---|---|"]
         for s in summary:
             b = s["best_score"]
@@ -265,6 +296,7 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                     f"{f(s['silent_failure_always_transfer'])} -> infeasible")
             saved = (f"{f(s['prefill_saved_always_transfer'])} -> {f(s['prefill_saved'][b])}" if b else
                      f"{f(s['prefill_saved_always_transfer'])} -> -")
+            saved += f" ({f(s.get('prefill_saved_perfect_score'))})"
             saved += " †" if s["prefill_timing"] != "same run" else ""
             method = s["method"].replace("|", "\\|")  # a screened method's name holds a pipe
             lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {method} | {s['n_pool']} "
