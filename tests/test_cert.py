@@ -279,6 +279,14 @@ def test_eval_cert_and_certify_commands_with_a_screen(tmp_path, cache_home):
     assert {r["method"] for r in rows} == {"ridge-kv", "split@2", "split@2|screen:ridge-kv"}
     assert "split@2\\|screen:ridge-kv" in out.with_suffix(".md").read_text()  # escaped in the summary table
     assert all("|" not in p.name and ":" not in p.name for p in plots.iterdir())
+    # a second pool merged into the same file plots only itself; the first pool's plots stay as they were
+    _write_screened_pool(results / "s__r__w2.jsonl", seed=3)
+    before = {p.name: p.stat().st_mtime_ns for p in plots.iterdir()}
+    assert main(["eval", "cert", "--pair", "s:r", "--workload", "w2", "--alpha", "0.1", "--splits", "20",
+                 "--min-n", "20", "--results-dir", str(results), "--out", str(out), "--plots", str(plots)]) == 0
+    after = {p.name: p.stat().st_mtime_ns for p in plots.iterdir()}
+    assert all(after[name] == t for name, t in before.items()) and any("w2" in name for name in set(after) - set(before))
+    assert {r["workload"] for r in json.loads(out.read_text())["results"]} == {"w", "w2"}
     stem = cache_home / "mappers" / "s__r__w"
     stem.parent.mkdir(parents=True)
     save_file({"w": torch.zeros(1)}, f"{stem}.safetensors")
