@@ -605,13 +605,13 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     """Split validation of certification for one pair (or every labelled pair with --pair all)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.cert_eval import (labelled_requests, plot_certification, validate, with_screens,
-                                                 write_markdown)
+    from cachecert_agents.eval.cert_eval import (labelled_requests, plot_certification, pool_key, validate,
+                                                 with_screens, write_markdown)
+    from cachecert_agents.eval.transfer_eval import recorded_pools
 
     results_dir = Path(args.results_dir)
     if args.pair == ("all", "all"):
-        keys = sorted({tuple(p.name[:-len(".jsonl")].split("__")) for p in results_dir.glob("*__*__*.jsonl")})
-        keys = [k for k in keys if len(k) == 3]  # sender__receiver__workload (not e.g. diagnose__S__R__W)
+        keys = recorded_pools(results_dir)
     else:
         keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
     alphas = [float(a) for a in args.alpha.split(",")]
@@ -633,9 +633,8 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
         _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
         merged = json.loads(Path(args.out).read_text())["results"]
         write_markdown(merged, _command_line(), Path(args.out).with_suffix(".md"))
-        group = lambda r: (r["sender"], r["receiver"], r["workload"], r["method"])  # noqa: E731
-        redone = {group(r) for r in rows}  # the other pools' plots are already there, unchanged
-        plot_certification([r for r in merged if group(r) in redone], _plot_dir(args))
+        redone = {pool_key(r) for r in rows}  # the other pools' plots are already there, unchanged
+        plot_certification([r for r in merged if pool_key(r) in redone], _plot_dir(args))
     if not args.json:
         for r in rows:
             if r["control"] == "crc" or args.verbose:

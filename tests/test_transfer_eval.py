@@ -166,3 +166,14 @@ def test_eval_report_writes_its_plots_beside_its_output_by_default(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps({"command": "c", "date": "d", "results": [row]}))
     assert main(["eval", "report", "--results", str(tmp_path / "t.json"), "--out", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "plots" / "frontier_s__r.png").is_file()
+
+
+def test_recorded_pools_lists_records_files_only(tmp_path):
+    """The pools of a results folder are its sender__receiver__workload.jsonl files, nothing else."""
+    from cachecert_agents.eval.transfer_eval import recorded_pools, records_path
+
+    for name in ("s__r__w", "a__b__c", "diagnose__s__r__w"):
+        (tmp_path / f"{name}.jsonl").write_text("")
+    (tmp_path / "notes.jsonl").write_text("")
+    assert recorded_pools(tmp_path) == [("a", "b", "c"), ("s", "r", "w")]
+    assert records_path(tmp_path, "s", "r", "w").exists()

@@ -68,6 +68,11 @@ class LabelledRequests:
         return 1 - served_cost / self.prefill_s, -refused_cost / self.prefill_s
 
 
+def pool_key(row: dict) -> tuple[str, str, str, str]:
+    """``(sender, receiver, workload, method)``: the labelled pool a cert.json row was validated on."""
+    return row["sender"], row["receiver"], row["workload"], row["method"]
+
+
 def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str) -> dict[str, LabelledRequests]:
     """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
     without risk scores, e.g. controls or runs with ``--no-scores``, or with scores of another definition
@@ -159,6 +164,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
     for score in scores:
         served, refused = labelled.gains(score)
         for alpha in alphas:
+            ceiling = perfect_score_saving(labelled.unsafe, served, refused, alpha)
             for d in ([None] if delta is None else [None, delta]):
                 res = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits, rng_seed=seed,
                                        delta=d, gain_accepted=served, gain_rejected=refused)
@@ -173,7 +179,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": float(served.mean()),
-                    "prefill_saved_perfect_score": perfect_score_saving(labelled.unsafe, served, refused, alpha),
+                    "prefill_saved_perfect_score": ceiling,
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
                 })
@@ -190,9 +196,9 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    groups = sorted({pool_key(r) for r in rows})
     for key in groups:
-        sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
+        sel = [r for r in rows if pool_key(r) == key]
         stem = re.sub(r"[^A-Za-z0-9._+-]", "_", "cert_" + "__".join(key).replace("@", ""))  # "|screen:" too
         crc_geo = [r for r in sel if r["control"] == "crc" and r["score"] == "geometry"]
         fig, axes = plt.subplots(1, len(crc_geo), figsize=(4 * len(crc_geo), 3), squeeze=False)
@@ -233,10 +239,9 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
     simplest rule that does as well).
     Scores infeasible on some splits are left out of the comparison."""
     out = []
-    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    groups = sorted({pool_key(r) for r in rows})
     for key in groups:
-        sel = {r["score"]: r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key
-               and r["control"] == control and r["alpha"] == alpha}
+        sel = {r["score"]: r for r in rows if pool_key(r) == key and r["control"] == control and r["alpha"] == alpha}
         if not sel:
             continue
         r0 = next(iter(sel.values()))
@@ -303,9 +308,9 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                          f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
                          f"{f(s['geometry_minus_best_baseline'])} |")
         lines.append("")
-    groups = sorted({(r["sender"], r["receiver"], r["workload"], r["method"]) for r in rows})
+    groups = sorted({pool_key(r) for r in rows})
     for key in groups:
-        sel = [r for r in rows if (r["sender"], r["receiver"], r["workload"], r["method"]) == key]
+        sel = [r for r in rows if pool_key(r) == key]
         r0 = sel[0]
         lines += [f"## {key[0]} -> {key[1]}, {key[2]}, {key[3]}", "",
                   f"{r0['n_pool']} labelled requests, calibration {r0['n_cal']}, {r0['splits']} splits; always "

@@ -179,6 +179,13 @@ def records_path(results_dir: Path, sender: str, receiver: str, workload: str) -
     return Path(results_dir) / f"{artifact_stem(sender, receiver, workload)}.jsonl"
 
 
+def recorded_pools(results_dir: Path) -> list[tuple[str, str, str]]:
+    """``(sender, receiver, workload)`` of every records file in ``results_dir`` (the inverse of
+    :func:`records_path`; other JSONL files there, e.g. ``diagnose__S__R__W.jsonl``, are not pools)."""
+    stems = (p.name[:-len(".jsonl")].split("__") for p in Path(results_dir).glob("*__*__*.jsonl"))
+    return sorted({(s[0], s[1], s[2]) for s in stems if len(s) == 3})
+
+
 def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str]
                  ) -> tuple[list[dict], list[dict]]:
     """The latest records of a pair (every method) and the receiver's full-prefill records, for the example
