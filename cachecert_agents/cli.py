@@ -200,6 +200,16 @@ def _parse_percentages(text: str) -> tuple[int, ...]:
     return values
 
 
+def _parse_agreement(text: str) -> str:
+    """An agreement criterion spec ('exact', 'token-f1>=0.5', 'rouge-l>=0.5'), normalised (argparse type)."""
+    from cachecert_agents.eval.workloads import Agreement
+
+    try:
+        return str(Agreement.parse(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _load_pair(args: argparse.Namespace):
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -556,7 +566,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
 
     def labelled_pool():
         """The labelled requests certified (None when missing), and the screen's split (None without one)."""
-        pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload)
+        pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload, agreement=args.agreement)
         target, screen = pool.get(args.method), pool.get(args.screen) if args.screen else None
         if args.screen is None or target is None or screen is None:
             return (target if args.screen is None else None), None
@@ -590,7 +600,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),
         workload=args.workload, method=args.method, split=labelled.split, score=args.score,
         score_definition=score_definition(args.score), screen_method=args.screen,
-        screen_split=screen_split)
+        screen_split=screen_split, agreement=args.agreement)
     cert.save(args.out, overwrite=args.force)
     summary = cert.model_dump()
     if not args.json:
@@ -615,11 +625,18 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     else:
         keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
     alphas = [float(a) for a in args.alpha.split(",")]
+    if args.out and Path(args.out).exists():
+        own = "the workloads' own"
+        labels = {r.get("agreement") or own for r in json.loads(Path(args.out).read_text()).get("results", [])}
+        if labels - {args.agreement or own}:
+            raise CacheCertError(
+                f"{args.out} holds rows labelled by another agreement criterion ({', '.join(sorted(labels))}) than "
+                f"this run ({args.agreement or own}): write to another --out so they are not mixed")
     rows = []
     for sender, receiver, workload in keys:
         if args.workload != "all" and workload not in args.workload.split(","):
             continue
-        pool = labelled_requests(results_dir, sender, receiver, workload)
+        pool = labelled_requests(results_dir, sender, receiver, workload, agreement=args.agreement)
         for method, labelled in (with_screens(pool, args.screen) if args.screen else pool).items():
             if len(labelled) < args.min_n:
                 logger.warning("%s->%s %s %s: %d labelled requests (< --min-n %d), skipped", sender, receiver,
@@ -982,6 +999,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also validate every other method screened by METHOD's risk score (e.g. ridge-kv: the "
                         "cheap transfer's score decides whether the expensive one runs)")
     p.add_argument("--out", default="docs/results/cert.json", help="merge rows here (and write cert.md beside)")
+    p.add_argument("--agreement", type=_parse_agreement, default=None, metavar="CRITERION",
+                   help="relabel the requests by this agreement criterion with full prefill instead of the "
+                        "workload's own (exact match for short answers, rouge-l>=0.5 for long): 'exact', "
+                        "'token-f1>=T' or 'rouge-l>=T'")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_cert)
@@ -1033,6 +1054,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
     p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
+    p.add_argument("--agreement", type=_parse_agreement, default=None, metavar="CRITERION",
+                   help="label the calibration requests by this agreement criterion with full prefill (the runtime's audits use it too) instead of the "
+                        "workload's own (exact match for short answers, rouge-l>=0.5 for long): 'exact', "
+                        "'token-f1>=T' or 'rouge-l>=T'")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--out", required=True, help="certificate JSON to write")
     p.add_argument("--force", action="store_true", help="replace an existing certificate file")

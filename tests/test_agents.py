@@ -52,7 +52,8 @@ def artifacts(pair, tmp_path):
     fps = {k: header[k] for k in ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_tokenizer")}
 
     def certificate(name: str, all_unsafe: bool = False, alpha: float = 0.2, split: int | None = None,
-                    threshold: float | None = None, screen: bool = False, method: str | None = None) -> str:
+                    threshold: float | None = None, screen: bool = False, method: str | None = None,
+                    agreement: str | None = None) -> str:
         n = 50
         cert = build_certificate([str(i) for i in range(n)], np.linspace(0, 1, n), np.full(n, float(all_unsafe)),
                                  alpha=0.02 if all_unsafe else alpha, delta=None, sender="tiny-s", receiver="tiny-r",
@@ -61,7 +62,7 @@ def artifacts(pair, tmp_path):
                                  workload="report",
                                  method=method or ("ridge-kv" if split is None else f"split@{split}"),
                                  split=receiver.geometry.num_layers if split is None else split, score="geometry",
-                                 score_definition=score_definition("geometry"))
+                                 score_definition=score_definition("geometry"), agreement=agreement)
         if threshold is not None:
             cert = cert.model_copy(update={"threshold": threshold})
         if screen:  # two-stage: scored on the pure-KV transfer, serving the split one
@@ -289,6 +290,14 @@ def test_audits_flag_a_failing_pair_and_it_falls_back(pair, artifacts, tmp_path,
     rows = summarise_audits(AuditLog(tmp_path / "audit.jsonl").records())
     pair_row = next(r for r in rows if r["node"] == "*")
     assert pair_row["above_alpha"] and pair_row["silent_failures"] == pair_row["audited"] >= 2
+
+
+def test_audits_judge_by_the_certificates_agreement_criterion(pair, artifacts, tmp_path):
+    """A certificate calibrated on labels of another criterion is audited by that criterion, not the workload's."""
+    own = make_runtime(pair, tmp_path, artifacts("own.json")).route("tiny-s", "tiny-r")
+    strict = make_runtime(pair, tmp_path, artifacts("strict.json", agreement="rouge-l>=0.6")).route("tiny-s", "tiny-r")
+    # ROUGE-L F1 of these two is 4/7 = 0.571: agrees under report's own rouge-l>=0.5, not under rouge-l>=0.6
+    assert own.agree("red green blue", "red green x y") and not strict.agree("red green blue", "red green x y")
 
 
 def test_clopper_pearson_interval():

@@ -338,3 +338,76 @@ def test_validate_rows_carry_a_perfect_score_ceiling_above_the_certified_saving(
     for r in rows:
         assert r["prefill_saved_perfect_score"] >= r["prefill_saved"] - 0.05
     assert {r["prefill_saved_perfect_score"] for r in rows if r["alpha"] == 0.2} != {0.0}
+
+
+def test_requests_relabelled_by_another_agreement_criterion(tmp_path, cache_home):
+    """``--agreement``: the same records relabelled from their answers and the cached full-prefill answers (no model
+    run); eval cert keeps rows of different criteria in different files; the certificate records the criterion."""
+    from safetensors.torch import save_file
+
+    from cachecert_agents.cli import main
+    from cachecert_agents.errors import CacheCertError
+    from cachecert_agents.eval.transfer_eval import full_reference_path
+
+    results = tmp_path / "results"
+    risk = lambda g: {"geometry": g, "entropy": g, "margin": g, "constant": 0.0, "version": SCORE_VERSION}  # noqa: E731
+    answers = ["Paris", "The answer is Paris", "London"]  # exact / token-F1 0.67 / wrong, against "Paris"
+    for i in range(60):
+        append_jsonl(results / "s__r__w.jsonl", {
+            "id": str(i), "method": "ridge-kv", "split": 4, "answer": answers[i % 3], "agree": i % 3 == 0,
+            "prefill_s": 2.0, "transfer_s": 0.1, "pass_s": 0.05, "score_s": 0.01, "risk": risk(i / 60)})
+        append_jsonl(full_reference_path(results, "r", "w"), {"id": str(i), "answer": "Paris"})
+    recorded = labelled_requests(results, "s", "r", "w")["ridge-kv"]
+    f1 = labelled_requests(results, "s", "r", "w", agreement="token-f1>=0.5")["ridge-kv"]
+    exact = labelled_requests(results, "s", "r", "w", agreement="exact")["ridge-kv"]
+    assert recorded.agreement is None and f1.agreement == "token-f1>=0.5" and exact.agreement == "exact"
+    np.testing.assert_array_equal(recorded.unsafe, exact.unsafe)  # the recorded labels were exact match
+    np.testing.assert_array_equal(f1.unsafe, [float(int(i) % 3 == 2) for i in f1.ids])  # only "London" disagrees
+    assert validate(f1, [0.2], splits=5, delta=None, scores=("constant",))[0]["agreement"] == "token-f1>=0.5"
+    assert "agreement" not in validate(recorded, [0.2], splits=5, delta=None, scores=("constant",))[0]
+
+    base = ["eval", "cert", "--pair", "s:r", "--workload", "w", "--alpha", "0.2", "--splits", "20", "--min-n", "20",
+            "--results-dir", str(results), "--plots", str(tmp_path / "plots")]
+    out = tmp_path / "cert.json"
+    assert main(base + ["--out", str(out)]) == 0
+    assert main(base + ["--out", str(out), "--agreement", "token-f1>=0.5"]) == 2  # not mixed into the same file
+    assert all("agreement" not in r for r in json.loads(out.read_text())["results"])
+    relabelled = tmp_path / "cert_f1.json"
+    assert main(base + ["--out", str(relabelled), "--agreement", "token-F1>=0.5"]) == 0
+    rows = json.loads(relabelled.read_text())["results"]
+    assert {r["agreement"] for r in rows} == {"token-f1>=0.5"}
+    assert all(r["unsafe_rate_always_transfer"] == pytest.approx(1 / 3) for r in rows)
+    assert "`token-f1>=0.5`" in relabelled.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        main(base + ["--out", str(tmp_path / "x.json"), "--agreement", "f1"])  # a usage error names the forms
+
+    append_jsonl(results / "s__r__w.jsonl", {"id": "60", "method": "ridge-kv", "split": 4, "answer": "x",
+                                             "agree": False, "prefill_s": 2.0, "transfer_s": 0.1, "risk": risk(0.5)})
+    with pytest.raises(CacheCertError, match="no full-prefill answer for '60'"):
+        labelled_requests(results, "s", "r", "w", agreement="exact")
+
+    stem = cache_home / "mappers" / "s__r__w"
+    stem.parent.mkdir(parents=True)
+    save_file({"w": torch.zeros(1)}, f"{stem}.safetensors")
+    Path(f"{stem}.json").write_text(json.dumps({k: k + "-fp" for k in ("sender_kv", "receiver_kv", "sender_tokenizer",
+                                                                        "receiver_tokenizer")}))
+    (results / "s__r__w.jsonl").write_text("".join(
+        line + "\n" for line in (results / "s__r__w.jsonl").read_text().splitlines()[:60]))
+    cert_path = tmp_path / "c.json"
+    assert main(["certify", "--pair", "s:r", "--workload", "w", "--score", "constant", "--alpha", "0.4", "--n", "60",
+                 "--no-run", "--results-dir", str(results), "--out", str(cert_path), "--agreement",
+                 "token-f1>=0.5"]) == 0
+    cert = Certificate.load(cert_path)
+    assert cert.agreement == "token-f1>=0.5" and cert.unsafe_rate_calibration == pytest.approx(1 / 3)
+
+
+def test_a_certificate_saved_before_the_agreement_field_still_loads(tmp_path):
+    """Certificates written by earlier versions have no ``agreement``: they load (checksum intact) as the
+    workload's own criterion."""
+    from cachecert_agents.cert.certificate import _checksum
+
+    cert = _cert(tmp_path, np.arange(50.0), np.zeros(50))
+    body = cert.model_dump()
+    del body["agreement"]
+    (tmp_path / "old.json").write_text(json.dumps(dict(body, checksum=_checksum(body))))
+    assert Certificate.load(tmp_path / "old.json").agreement is None

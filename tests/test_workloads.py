@@ -266,3 +266,23 @@ def test_missing_data_names_the_flag(tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(DataNotFoundError, match="--data"):
         get_workload("squad-long", data=empty).examples()
+
+
+def test_agreement_criteria_parse_judge_and_describe():
+    from cachecert_agents.eval.workloads import Agreement
+
+    f1 = Agreement.parse(" Token-F1 >= .5 ")
+    assert str(f1) == "token-f1>=0.5" and Agreement.parse(str(f1)) == f1 and Agreement.parse(f1) is f1
+    assert f1("Paris", "The capital is Paris")  # F1 = 0.5: a rephrased answer with the same entity agrees
+    assert not f1("London", "The capital is Paris") and not Agreement.parse("exact")("Paris", "The capital is Paris")
+    assert Agreement.parse("rouge-l>=0.57")("red green blue", "red green x y")  # LCS 2: F1 = 2(2/3)(1/2)/(7/6)
+    assert not Agreement.parse("rouge-l>=0.58")("red green blue", "red green x y")
+    for bad in ("f1>0.5", "token-f1>=0", "token-f1>=1.5", "rouge", ""):
+        with pytest.raises(ValueError, match="exact"):
+            Agreement.parse(bad)
+    hot = get_workload("hotpotqa", agreement="token-f1>=0.5")
+    assert hot.agree("Paris", "The capital is Paris") and "token F1 >= 0.5" in hot.criterion()
+    assert str(get_workload("hotpotqa").agreement) == "exact"
+    assert str(get_workload("report").agreement) == "rouge-l>=0.5"
+    with pytest.raises(ValueError, match="agreement criterion"):
+        get_workload("hotpotqa", agreement="f1")

@@ -5,7 +5,8 @@ pair and its fingerprints, the mapper it was calibrated with (sha256 of the mapp
 transfer method (and, for a two-stage transfer, the cheap *screen* method whose risk score decides whether the
 served method runs at all), the score definition, the guarantee (``crc``: expected rate of unsafe transfers served
 ``<= alpha``; ``ltt``: that rate ``<= alpha`` with probability ``>= 1 - delta``), ``n``, ``lambda``, a
-fingerprint of the labelled calibration requests, the date and the library version. Loading verifies the format
+fingerprint of the labelled calibration requests, the agreement criterion the labels used (None: the
+workload's own; the runtime's audits judge served answers by the same one), the date and the library version. Loading verifies the format
 and a checksum of the content, so a corrupt or hand-edited file is refused, not trusted.
 """
 
@@ -70,6 +71,7 @@ class Certificate(BaseModel):
     library_version: str
     screen_method: str | None = None  # two-stage: the score is computed on this transfer, run first
     screen_split: int | None = None
+    agreement: str | None = None  # the labels' agreement criterion (Agreement spec); None: the workload's own
 
     @property
     def score_split(self) -> int:
@@ -145,7 +147,7 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
                       delta: float | None, sender: str, receiver: str, pair_fingerprints: dict[str, str],
                       mapper_fingerprint: str, workload: str, method: str, split: int, score: str,
                       score_definition: str, screen_method: str | None = None,
-                      screen_split: int | None = None) -> Certificate:
+                      screen_split: int | None = None, agreement: str | None = None) -> Certificate:
     """Fit the threshold on labelled requests (CRC when ``delta`` is None, else LTT) and wrap it. For a two-stage
     certificate, ``scores`` are the screen transfer's and ``unsafe`` the served (``method``) transfer's labels.
     Raises :class:`~cachecert_agents.cert.conformal.InfeasibleRiskError` when no threshold is certifiable."""
@@ -161,4 +163,4 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
         unsafe_rate_calibration=float(unsafe.mean()),
         calibration_fingerprint=calibration_fingerprint(ids, scores, unsafe),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__, screen_method=screen_method, screen_split=screen_split)
+        library_version=__version__, screen_method=screen_method, screen_split=screen_split, agreement=agreement)

@@ -2,7 +2,9 @@
 
 A *labelled request* is one transfer record of ``cachecert eval transfer`` that carries risk scores (see
 :mod:`cachecert_agents.cert.scores`): its label is ``unsafe = not agree`` (the answer served from the transferred
-cache disagrees with the receiver's own full-prefill answer under the workload's criterion).
+cache disagrees with the receiver's own full-prefill answer under the workload's criterion). Another criterion
+(:class:`~cachecert_agents.eval.workloads.Agreement`, e.g. ``token-f1>=0.5``) relabels the same records from their
+recorded answers and the receiver's cached full-prefill answers, with no model run.
 
 Prefill saved per request (fraction of the receiver's context prefill time, net of costs):
 
@@ -29,7 +31,9 @@ import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
 from cachecert_agents.cert.scores import SCORE_VERSION, SCORES
-from cachecert_agents.eval.transfer_eval import records_path
+from cachecert_agents.errors import CacheCertError
+from cachecert_agents.eval.transfer_eval import full_reference_path, records_path
+from cachecert_agents.eval.workloads import Agreement
 from cachecert_agents.jsonl import read_jsonl
 
 
@@ -51,6 +55,7 @@ class LabelledRequests:
     score_s: np.ndarray
     same_run_timing: bool = True  # every request's prefill time was measured in the run of its transfer
     screen_s: np.ndarray | None = None  # screened requests: the screen's transfer + pass + scoring time
+    agreement: str | None = None  # the criterion the labels were relabelled with; None: the workload's own
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -73,15 +78,29 @@ def pool_key(row: dict) -> tuple[str, str, str, str]:
     return row["sender"], row["receiver"], row["workload"], row["method"]
 
 
-def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str) -> dict[str, LabelledRequests]:
+def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str,
+                      agreement: str | Agreement | None = None) -> dict[str, LabelledRequests]:
     """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
     without risk scores, e.g. controls or runs with ``--no-scores``, or with scores of another definition
-    version, are skipped). The last record per (id, method) wins."""
+    version, are skipped). The last record per (id, method) wins.
+
+    ``agreement`` (None: the label recorded under the workload's own criterion) relabels every request by that
+    criterion between its recorded answer and the receiver's full-prefill answer cached beside the records; a
+    request whose full-prefill answer is missing raises :class:`CacheCertError`."""
     path = records_path(results_dir, sender, receiver, workload)
     latest: dict[tuple[str, str], dict] = {}
     for rec in read_jsonl(path):
         if "risk" in rec and "agree" in rec and rec["risk"].get("version") == SCORE_VERSION:
             latest[(rec["id"], rec["method"])] = rec
+    if agreement is not None:
+        criterion = Agreement.parse(agreement)
+        full_path = full_reference_path(Path(results_dir), receiver, workload)
+        full = {r["id"]: r["answer"] for r in read_jsonl(full_path)}
+        for rec in latest.values():
+            if rec["id"] not in full:
+                raise CacheCertError(f"{full_path}: no full-prefill answer for {rec['id']!r}, so {path} cannot be "
+                                     f"relabelled by {criterion}")
+            rec["agree"] = criterion(rec["answer"], full[rec["id"]])
     out: dict[str, LabelledRequests] = {}
     for method in sorted({m for _, m in latest}):
         recs = [r for (_, m), r in sorted(latest.items()) if m == method]
@@ -90,7 +109,8 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
             sender, receiver, workload, method, int(recs[0]["split"]), [r["id"] for r in recs],
             {s: np.array([float(r["risk"][s]) for r in recs]) for s in SCORES},
             np.array([0.0 if r["agree"] else 1.0 for r in recs]), arr("prefill_s"), arr("transfer_s"),
-            arr("pass_s"), arr("score_s"), all(r.get("prefill_timed") == "same-run" for r in recs))
+            arr("pass_s"), arr("score_s"), all(r.get("prefill_timed") == "same-run" for r in recs),
+            agreement=None if agreement is None else str(Agreement.parse(agreement)))
     return out
 
 
@@ -115,7 +135,7 @@ def screened_requests(target: LabelledRequests, screen: LabelledRequests) -> Lab
         target.split, [target.ids[k] for k in keep], {s: v[j] for s, v in screen.scores.items()},
         target.unsafe[keep], target.prefill_s[keep], target.transfer_s[keep], screen.pass_s[j], screen.score_s[j],
         target.same_run_timing and screen.same_run_timing,
-        screen_s=screen.transfer_s[j] + screen.pass_s[j] + screen.score_s[j])
+        screen_s=screen.transfer_s[j] + screen.pass_s[j] + screen.score_s[j], agreement=target.agreement)
 
 
 def with_screens(labelled: dict[str, LabelledRequests], screen: str) -> dict[str, LabelledRequests]:
@@ -182,6 +202,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved_perfect_score": ceiling,
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
+                    **({} if labelled.agreement is None else {"agreement": labelled.agreement}),
                 })
     return rows
 
@@ -278,6 +299,11 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
              "A method `M|screen:S` is two-stage: the risk score is computed on the cheap transfer S (run first), "
              "the transfer M runs and answers only when that score is accepted, and the label is M's answer; "
              "a refusal costs S's transfer and scoring pass only.", ""]
+    relabelled = sorted({r["agreement"] for r in rows if r.get("agreement")})
+    if relabelled:
+        lines += [f"**Labels relabelled by the agreement criterion {', '.join(f'`{a}`' for a in relabelled)}** "
+                  "(between the served answer and the receiver's full-prefill answer), not by the workloads' own "
+                  "criterion: unsafe = disagrees under it.", ""]
     f = lambda v: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"  # noqa: E731
     summary = summarise_at_alpha(rows)
     if summary:

@@ -43,6 +43,7 @@ from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import best_over_references, exact_match, rouge_l, token_f1
 
 __all__ = [
+    "Agreement",
     "CALIBRATION_FRACTION",
     "DATA_ENV",
     "DataFormatError",
@@ -230,6 +231,52 @@ class _UseDefault:
 USE_DEFAULT: Any = _UseDefault()
 
 
+# ------------------------------------------------------------------------------------------ agreement criteria
+
+_AGREEMENT_METRICS = {"token-f1": token_f1, "rouge-l": rouge_l}
+
+
+class Agreement(BaseModel, frozen=True):
+    """An agreement criterion between an answer and the receiver's own full-prefill answer (unsafe = disagree).
+
+    ``exact``: SQuAD-normalised exact match (the default for short answers, DESIGN.md section 1);
+    ``token-f1>=T`` / ``rouge-l>=T``: SQuAD token F1 / ROUGE-L F1 of the normalised answers at least ``T``
+    (``rouge-l>=0.5`` is the default for long outputs). ``str(agreement)`` is the spec :meth:`parse` reads.
+    """
+
+    metric: Literal["exact", "token-f1", "rouge-l"]
+    threshold: float = Field(1.0, gt=0.0, le=1.0)
+
+    @classmethod
+    def parse(cls, spec: "str | Agreement") -> "Agreement":
+        """``"exact"``, ``"token-f1>=0.5"`` or ``"rouge-l>=0.5"`` (threshold in (0, 1]); a clear error otherwise."""
+        if isinstance(spec, Agreement):
+            return spec
+        text = str(spec).strip().lower()
+        if text == "exact":
+            return cls(metric="exact")
+        m = re.fullmatch(r"(token-f1|rouge-l)\s*>=\s*([0-9]*\.?[0-9]+)", text)
+        if m is None or not 0.0 < float(m.group(2)) <= 1.0:
+            raise ValueError(f"agreement criterion {spec!r}: expected 'exact', 'token-f1>=T' or 'rouge-l>=T' with "
+                             f"0 < T <= 1")
+        return cls(metric=m.group(1), threshold=float(m.group(2)))
+
+    def __str__(self) -> str:
+        return "exact" if self.metric == "exact" else f"{self.metric}>={self.threshold:g}"
+
+    def __call__(self, prediction: str, full_prefill_prediction: str) -> bool:
+        if self.metric == "exact":
+            return exact_match(prediction, full_prefill_prediction) == 1.0
+        return _AGREEMENT_METRICS[self.metric](prediction, full_prefill_prediction) >= self.threshold
+
+    def describe(self) -> str:
+        """The criterion in words, as results record it."""
+        if self.metric == "exact":
+            return "SQuAD-normalised exact match"
+        name = "SQuAD token F1" if self.metric == "token-f1" else "ROUGE-L F1 (SQuAD-normalised tokens)"
+        return f"{name} >= {self.threshold:g}"
+
+
 # ------------------------------------------------------------------------------------------------- base class
 
 
@@ -252,7 +299,7 @@ class Workload(ABC):
     expected_file: ClassVar[str]
 
     def __init__(self, data: str | Path | None = None, seed: int = 0,
-                 context_chars: int | None = USE_DEFAULT) -> None:
+                 context_chars: int | None = USE_DEFAULT, agreement: str | Agreement | None = None) -> None:
         if context_chars is USE_DEFAULT:
             context_chars = self.default_context_chars
         if context_chars is not None and (not isinstance(context_chars, int) or context_chars <= 0):
@@ -260,12 +307,14 @@ class Workload(ABC):
         self.data = data
         self.seed = int(seed)
         self.context_chars: int | None = context_chars
+        self.agreement: Agreement = self.default_agreement() if agreement is None else Agreement.parse(agreement)
         self.source: Path | None = None
         self.excluded: Counter[str] = Counter()
         self._examples: list[Example] | None = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(data={self.data!r}, seed={self.seed}, context_chars={self.context_chars})"
+        return (f"{type(self).__name__}(data={self.data!r}, seed={self.seed}, context_chars={self.context_chars}, "
+                f"agreement={str(self.agreement)!r})")
 
     # data --------------------------------------------------------------------------------------------------
     def data_path(self) -> Path:
@@ -307,20 +356,27 @@ class Workload(ABC):
         metric = token_f1 if self.answer_kind == "short" else rouge_l
         return best_over_references(metric, prediction, references)
 
+    @classmethod
+    def default_agreement(cls) -> Agreement:
+        """The workload's own criterion: exact match for short answers, ROUGE-L >= threshold for long outputs."""
+        if cls.answer_kind == "short":
+            return Agreement(metric="exact")
+        return Agreement(metric="rouge-l", threshold=cls.agreement_threshold)
+
     def agree(self, prediction: str, full_prefill_prediction: str) -> bool:
-        """Whether an answer agrees with the full-prefill answer (see :meth:`criterion`)."""
-        if self.answer_kind == "short":
-            return exact_match(prediction, full_prefill_prediction) == 1.0
-        return rouge_l(prediction, full_prefill_prediction) >= self.agreement_threshold
+        """Whether an answer agrees with the full-prefill answer under :attr:`agreement` (see :meth:`criterion`)."""
+        return self.agreement(prediction, full_prefill_prediction)
 
     def criterion(self) -> str:
         """One-line description of the agreement criterion, recorded with results."""
-        if self.answer_kind == "short":
-            return (f"{self.name}: agree iff SQuAD-normalised exact match between the transferred-cache answer and "
-                    f"the full-prefill answer (greedy, <= {self.max_new_tokens} new tokens, stop at newline)")
-        return (f"{self.name}: agree iff ROUGE-L F1 (SQuAD-normalised tokens) between the transferred-cache output "
-                f"and the full-prefill output >= {self.agreement_threshold:g} (greedy, <= {self.max_new_tokens} "
-                f"new tokens)")
+        what = "answer" if self.answer_kind == "short" else "output"
+        stop = ", stop at newline" if "\n" in self.stop_strings else ""
+        if self.agreement.metric == "rouge-l":  # the threshold after the pair, as results have always said it
+            return (f"{self.name}: agree iff ROUGE-L F1 (SQuAD-normalised tokens) between the transferred-cache "
+                    f"{what} and the full-prefill {what} >= {self.agreement.threshold:g} (greedy, <= "
+                    f"{self.max_new_tokens} new tokens{stop})")
+        return (f"{self.name}: agree iff {self.agreement.describe()} between the transferred-cache {what} and the "
+                f"full-prefill {what} (greedy, <= {self.max_new_tokens} new tokens{stop})")
 
 
 # ---------------------------------------------------------------------------------------------------- HotpotQA
