@@ -1,5 +1,6 @@
 """CacheCert: risk scores (synthetic and on tiny models), certificates as artifacts, labelled-request validation."""
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -130,6 +131,27 @@ def test_geometry_score_grows_with_the_mapper_error(tiny_pair):
     assert got[1] > got[0]
 
 
+def test_geometry_score_leaves_recomputed_tokens_out(tiny_pair):
+    """Tokens repaired by selective recompute hold the receiver's own keys/values: no error, no score. Recomputing
+    every context token leaves nothing mapped (score 0); recomputing some lowers the score of the same cache."""
+    sender, receiver, stats, mapper = tiny_pair
+    scorer = RiskScorer.from_statistics(receiver, mapper, stats)
+    prompt = receiver.format_prompt(CONTEXTS[2], "where")
+    feats = sender_features(sender, sender.format_prompt(CONTEXTS[2], "where"))
+    for split in (1, receiver.geometry.num_layers):
+        full = transfer(receiver, prompt, feats, mapper, split, recompute=1.0)
+        assert full.recomputed == prompt.context_ids.numel()
+        scores = scorer.scoring_pass(full.cache, prompt.suffix_ids, prompt.context_span, split, full.features,
+                                     exact=full.recomputed_index)[0]
+        assert scores["geometry"] == 0.0
+        part = transfer(receiver, prompt, feats, mapper, split, recompute=0.3)
+        assert 0 < part.recomputed < prompt.context_ids.numel()
+        args = (prompt.suffix_ids, prompt.context_span, split, part.features)
+        ignoring = scorer.scoring_pass(copy.deepcopy(part.cache), *args)[0]["geometry"]
+        knowing = scorer.scoring_pass(part.cache, *args, exact=part.recomputed_index)[0]["geometry"]
+        assert 0 < knowing < ignoring
+
+
 def _cert(tmp_path, scores, unsafe, alpha=0.2, delta=None):
     return build_certificate([str(i) for i in range(len(scores))], np.asarray(scores), np.asarray(unsafe),
                              alpha=alpha, delta=delta, sender="s", receiver="r",
@@ -152,6 +174,12 @@ def test_certificate_round_trip_and_rule(tmp_path):
     stale = back.model_copy(update={"score_definition": "cachecert_agents.cert.scores:geometry/v0"})
     with pytest.raises(CertificateError, match="score"):
         stale.check_for({"sender_kv": "a"})
+    v2 = back.model_copy(update={"score_definition": "cachecert_agents.cert.scores:geometry/v2"})
+    v2.check_for({"sender_kv": "a"})  # v2 geometry is v3's on a transfer without selective recompute ...
+    with pytest.raises(CertificateError, match="score"):
+        v2.model_copy(update={"method": "ridge-kv+r20"}).check_for({"sender_kv": "a"})  # ... not on a repaired one
+    with pytest.raises(CertificateError, match="score"):
+        v2.model_copy(update={"method": "split@2", "screen_method": "ridge-kv+r20"}).check_for({"sender_kv": "a"})
     with pytest.raises(CertificateError, match="mapper"):
         back.check_for({"sender_kv": "a"}, "m2")
     with pytest.raises(CertificateError, match="receiver_kv"):
@@ -192,13 +220,17 @@ def test_labelled_requests_and_split_validation(tmp_path):
         append_jsonl(path, {"id": str(i), "method": "ridge-kv", "split": 4, "agree": bool(rng.uniform() > g),
                             "prefill_s": 2.0, "transfer_s": 0.1, "pass_s": 0.05, "score_s": 0.01,
                             "risk": {"geometry": g, "entropy": float(rng.uniform()), "margin": 0.5, "constant": 0.0,
-                                     "version": SCORE_VERSION}})
+                                     "version": SCORE_VERSION if i % 2 else 2}})
         append_jsonl(path, {"id": str(i), "method": "split@2", "split": 2, "agree": True, "prefill_s": 2.0,
                             "transfer_s": 0.1, "risk": {"geometry": 0.0, "entropy": 0.0, "margin": 0.0,
-                                                        "constant": 0.0, "version": SCORE_VERSION - 1}})
+                                                        "constant": 0.0, "version": 1}})
+        # v2 geometry differs from v3 only on repaired transfers: such a record is stale, a plain one is current
+        append_jsonl(path, {"id": str(i), "method": "ridge-kv+r20", "split": 4, "agree": True, "prefill_s": 2.0,
+                            "transfer_s": 0.1, "recomputed_tokens": 7, "risk": {
+                                "geometry": 0.0, "entropy": 0.0, "margin": 0.0, "constant": 0.0, "version": 2}})
         append_jsonl(path, {"id": str(i), "method": "no-context", "agree": True})  # a control: no risk, skipped
     labelled = labelled_requests(tmp_path, "s", "r", "w")
-    assert list(labelled) == ["ridge-kv"] and len(labelled["ridge-kv"]) == 120  # other score versions: skipped
+    assert list(labelled) == ["ridge-kv"] and len(labelled["ridge-kv"]) == 120  # stale score versions: skipped
     rows = validate(labelled["ridge-kv"], [0.1, 0.2], splits=200, delta=0.1)
     assert len(rows) == 4 * 2 * 2
     for r in rows:
@@ -378,6 +410,8 @@ def test_requests_relabelled_by_another_agreement_criterion(tmp_path, cache_home
     assert {r["agreement"] for r in rows} == {"token-f1>=0.5"}
     assert all(r["unsafe_rate_always_transfer"] == pytest.approx(1 / 3) for r in rows)
     assert "`token-f1>=0.5`" in relabelled.with_suffix(".md").read_text()
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())  # beside the workload-labelled ones, not over
+    assert len(plots) == 4 and sum("agree_token-f1" in p for p in plots) == 2
     with pytest.raises(SystemExit):
         main(base + ["--out", str(tmp_path / "x.json"), "--agreement", "f1"])  # a usage error names the forms
 

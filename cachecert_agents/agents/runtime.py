@@ -309,7 +309,8 @@ class CacheCertRuntime:
                                   prefix_cache=prefix_cache, recompute=route.score_recompute)
                 scores, out, cost = route.scorer.scoring_pass(result.cache, prompt.suffix_ids, prompt.context_span,
                                                               cert.score_split, result.features,
-                                                              geometry=cert.score == "geometry")
+                                                              geometry=cert.score == "geometry",
+                                                              exact=result.recomputed_index)
                 score = scores[cert.score]
                 spent_s = result.transfer_s + cost["pass_s"] + cost["score_s"]
                 if not cert.accepts(score):

@@ -98,9 +98,10 @@ class Certificate(BaseModel):
                                    f"mapper in use is {mapper_fingerprint}; run `cachecert certify` again")
         if method is not None and method != self.method:
             raise CertificateError(f"certificate covers method {self.method}, not {method}")
-        from cachecert_agents.cert.scores import score_definition
+        from cachecert_agents.cert.scores import definition_is_current, score_definition
 
-        if self.score_definition != score_definition(self.score):
+        scored_method = self.screen_method or self.method  # the transfer the score is computed on
+        if not definition_is_current(self.score_definition, self.score, repaired="+r" in scored_method):
             raise CertificateError(f"certificate was fitted on score {self.score_definition!r}; this library computes "
                                    f"{score_definition(self.score)!r}; run `cachecert certify` again")
 

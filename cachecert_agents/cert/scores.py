@@ -22,7 +22,8 @@ Scores (:data:`SCORES`):
   ``lev_j = (x_j - mu)^T (Cxx + lam I)^-1 (x_j - mu)``, normalised by its calibration mean ``dof``) weighted by
   the attention ``abar_j`` the suffix pays to context token j in layers ``>= s``. The kv part is weighted by
   ``s / L`` and the stream part by ``1 - s / L``. The weights only change the score's power: the conformal
-  guarantee holds for any score.
+  guarantee holds for any score. Context tokens the receiver recomputed (selective recompute, ``+rP``) hold its
+  own keys/values, so they carry no error: both sums run over the mapped tokens only (since v3).
 - ``entropy``: entropy (nats) of the receiver's first-token distribution.
 - ``margin``: ``1 - (p_top1 - p_top2)`` of that distribution.
 - ``constant``: 0 for every request (a certificate then accepts all or nothing).
@@ -44,7 +45,23 @@ from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.statistics import PairStatistics
 
 SCORES = ("geometry", "entropy", "margin", "constant")
-SCORE_VERSION = 2  # bump when a score's definition changes: labels and certificates of another version are refused
+SCORE_VERSION = 3  # bump when a score's definition changes: labels and certificates of another version are refused
+# v3 = v2 except the geometry score of a transfer repaired by selective recompute (v3: recomputed tokens carry no
+# mapping error); so v2 scores of any other transfer, and v2 entropy/margin/constant, are still current.
+
+
+def scores_are_current(record: dict) -> bool:
+    """Whether a labelled request's recorded ``risk`` scores are this library's (see ``SCORE_VERSION``); a v2 record
+    is current unless its transfer recomputed tokens (``recomputed_tokens`` > 0)."""
+    version = record.get("risk", {}).get("version")
+    return version == SCORE_VERSION or (version == 2 and not record.get("recomputed_tokens"))
+
+
+def definition_is_current(definition: str, score: str, repaired: bool) -> bool:
+    """Whether a certificate's recorded score ``definition`` is this library's for ``score`` on a transfer that is
+    (``repaired``) or is not repaired by selective recompute (the certificate rule of :func:`scores_are_current`)."""
+    old = f"cachecert_agents.cert.scores:{score}/v2"
+    return definition == score_definition(score) or (definition == old and not (repaired and score == "geometry"))
 
 
 def score_definition(score: str) -> str:
@@ -175,15 +192,17 @@ class RiskScorer:
 
     @torch.inference_mode()
     def scoring_pass(self, cache: Any, suffix_ids: torch.Tensor, context_span: tuple[int, int], split: int,
-                     features: SenderFeatures | None = None, geometry: bool = True
-                     ) -> tuple[dict[str, float], ForwardOutput, dict]:
+                     features: SenderFeatures | None = None, geometry: bool = True,
+                     exact: torch.Tensor | None = None) -> tuple[dict[str, float], ForwardOutput, dict]:
         """Process ``suffix_ids`` ``[m]`` over the transferred ``cache`` (updated in place) and score it.
 
         ``geometry=False`` skips the geometry score (no attention weights or queries are recorded, so the pass
         is a plain one: what an ``entropy``/``margin``/``constant`` certificate needs).
 
         ``features`` are the sender's features already on the receiver's context tokens (needed for the
-        stream term when ``0 < split < L``). Returns ``(scores, forward output, timings)``: ``pass_s`` is the
+        stream term when ``0 < split < L``). ``exact`` (``[r]`` context offsets, e.g. a transfer's
+        ``recomputed_index``) are tokens whose keys/values are the receiver's own: they carry no mapping error, so
+        the attention the suffix pays them adds nothing to the geometry score. Returns ``(scores, forward output, timings)``: ``pass_s`` is the
         whole recorded suffix pass (a plain pass is needed anyway to answer), ``score_s`` the score arithmetic
         after it. The forward output's last logits seed :meth:`ModelHandle.decode`.
         """
@@ -198,17 +217,23 @@ class RiskScorer:
                   "constant": 0.0}
         if geometry:
             total = context_span[1] + int(suffix_ids.numel())  # the cache held prefix + context before the pass
-            scores["geometry"] = self._geometry(cap, out.attentions, mapped, split, context_span, total, features)
+            scores["geometry"] = self._geometry(cap, out.attentions, mapped, split, context_span, total, features,
+                                                exact)
         scores["version"] = SCORE_VERSION
         return scores, out, {"pass_s": t0 - t_pass, "score_s": time.perf_counter() - t0}
 
     def _geometry(self, cap: Any, attentions: tuple[torch.Tensor, ...], mapped: list[int], split: int,
-                  context_span: tuple[int, int], total: int, features: SenderFeatures | None) -> float:
+                  context_span: tuple[int, int], total: int, features: SenderFeatures | None,
+                  exact: torch.Tensor | None = None) -> float:
         """The geometry score from the suffix pass's recorded queries (``cap``) and attention weights
-        (``attentions[l]`` ``[heads, m, k_l]`` over the ``k_l`` most recent of ``total`` positions)."""
+        (``attentions[l]`` ``[heads, m, k_l]`` over the ``k_l`` most recent of ``total`` positions); context tokens
+        ``exact`` (offsets) count as error-free."""
         geo = self.receiver.geometry
         L = geo.num_layers
         group = geo.num_heads // geo.num_kv_heads
+        mapped_tokens = torch.ones(context_span[1] - context_span[0])  # [n_context]: 1 = mapped, 0 = exact
+        if exact is not None:
+            mapped_tokens[exact.cpu().long()] = 0.0
         kv_terms = []
         for layer in mapped:
             g = self.layers[layer]
@@ -216,6 +241,7 @@ class RiskScorer:
             key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
             key_err = ((q * q) * key_var).sum(-1) / geo.head_dim  # [heads, m]: E[ds^2] per query
             a = context_attention(attentions[layer], context_span, total).float()  # [heads, m, n_context]
+            a = a * mapped_tokens.to(a.device)
             concentration = (a * a).sum(-1)  # [heads, m]
             per_query = concentration * (key_err * g.spread + g.value_err[:, None])
             kv_terms.append(float(per_query.mean()) / max(g.energy, 1e-12))
@@ -223,7 +249,7 @@ class RiskScorer:
         if 0 < split < L and split in self.streams and features is not None:
             st = self.streams[split]
             x = features.select(st.sender_layers).float().cpu() - st.mean  # [n_context, F]
-            lev = ((x @ st.precision) * x).sum(-1) / st.dof  # [n_context]
+            lev = ((x @ st.precision) * x).sum(-1) / st.dof * mapped_tokens  # [n_context]
             abar = torch.stack([context_attention(a, context_span, total).float().mean((0, 1))
                                 for a in attentions[split:]]).mean(0)
             score += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())

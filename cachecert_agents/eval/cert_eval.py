@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
-from cachecert_agents.cert.scores import SCORE_VERSION, SCORES
+from cachecert_agents.cert.scores import SCORES, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.transfer_eval import full_reference_path, records_path
 from cachecert_agents.eval.workloads import Agreement
@@ -90,7 +90,7 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
     path = records_path(results_dir, sender, receiver, workload)
     latest: dict[tuple[str, str], dict] = {}
     for rec in read_jsonl(path):
-        if "risk" in rec and "agree" in rec and rec["risk"].get("version") == SCORE_VERSION:
+        if "risk" in rec and "agree" in rec and scores_are_current(rec):
             latest[(rec["id"], rec["method"])] = rec
     if agreement is not None:
         criterion = Agreement.parse(agreement)
@@ -220,7 +220,10 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
     groups = sorted({pool_key(r) for r in rows})
     for key in groups:
         sel = [r for r in rows if pool_key(r) == key]
-        stem = re.sub(r"[^A-Za-z0-9._+-]", "_", "cert_" + "__".join(key).replace("@", ""))  # "|screen:" too
+        agreement = sel[0].get("agreement")  # relabelled pools plot beside, never over, the workloads' own
+        stem = re.sub(r"[^A-Za-z0-9._+-]", "_", "cert_" + "__".join(key).replace("@", "")  # "|screen:" too
+                      + (f"__agree_{agreement}" if agreement else ""))
+        labels = f", labels: {agreement}" if agreement else ""
         crc_geo = [r for r in sel if r["control"] == "crc" and r["score"] == "geometry"]
         fig, axes = plt.subplots(1, len(crc_geo), figsize=(4 * len(crc_geo), 3), squeeze=False)
         for ax, r in zip(axes[0], crc_geo):
@@ -229,7 +232,7 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.axvline(r["risk_mean"], color="tab:red", label=f"mean={r['risk_mean']:.3f}")
             ax.set_xlabel("realised risk (test)")
             ax.legend(fontsize=7)
-        fig.suptitle(f"{key[0]}->{key[1]} {key[2]} {key[3]}: CRC, geometry score, {sel[0]['splits']} splits",
+        fig.suptitle(f"{key[0]}->{key[1]} {key[2]} {key[3]}: CRC, geometry score, {sel[0]['splits']} splits{labels}",
                      fontsize=9)
         fig.tight_layout()
         path = out_dir / f"{stem}_risk.png"
@@ -243,7 +246,7 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_xlabel("alpha (CRC)")
         ax.set_ylabel("prefill saved (net)")
-        ax.set_title(f"{key[0]}->{key[1]} {key[2]} {key[3]}", fontsize=9)
+        ax.set_title(f"{key[0]}->{key[1]} {key[2]} {key[3]}{labels}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{stem}_saved.png"

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_paths
-from cachecert_agents.cert.scores import SCORE_VERSION, RiskScorer
+from cachecert_agents.cert.scores import RiskScorer, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import ratio_interval
 from cachecert_agents.eval.workloads import Workload
@@ -221,7 +221,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
     done = {(r["id"], r["method"]) for r in read_jsonl(path)
             if scorer is None or "split" not in r or r.get("method") == "random-map"
-            or r.get("risk", {}).get("version") == SCORE_VERSION}
+            or scores_are_current(r)}
     full_done = {r["id"]: r for r in read_jsonl(full_path)}
     examples = workload.examples(subset)[offset:offset + n]
     prefix_cache = None
@@ -280,7 +280,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                 gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             else:
                 risk, out, cost = scorer.scoring_pass(result.cache, r_prompt.suffix_ids, r_prompt.context_span, s,
-                                                      result.features)
+                                                      result.features, exact=result.recomputed_index)
                 gen = receiver.decode(out.cache, out.logits[-1], **gen_kw)
                 extra = {"risk": risk, **cost}
             if pct:

@@ -45,7 +45,12 @@ class TransferResult:
     transfer_s: float
     coverage: dict | None = None
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
-    recomputed: int = 0  # context tokens whose keys/values the receiver recomputed (selective recompute)
+    recomputed_index: torch.Tensor | None = None  # [r] context offsets the receiver recomputed (selective recompute)
+
+    @property
+    def recomputed(self) -> int:
+        """How many context tokens' keys/values the receiver recomputed (selective recompute; 0 without)."""
+        return 0 if self.recomputed_index is None else int(self.recomputed_index.numel())
 
 
 class MappedLayer(torch.nn.Module):
@@ -210,13 +215,12 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         else:
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
-    recomputed = 0
+    index = None
     if recompute > 0 and split > 0:
         index = choose_tokens(receiver, cache, prompt, recompute)
         recompute_tokens(receiver, cache, prompt.context_ids, start, index)
-        recomputed = int(index.numel())
     if full_length and windowed:
         cache = windowed_cache(cache, geo)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
-                          recomputed)
+                          index)
