@@ -445,3 +445,13 @@ def test_a_certificate_saved_before_the_agreement_field_still_loads(tmp_path):
     del body["agreement"]
     (tmp_path / "old.json").write_text(json.dumps(dict(body, checksum=_checksum(body))))
     assert Certificate.load(tmp_path / "old.json").agreement is None
+
+
+def test_rows_of_repaired_transfers_scored_before_v3_are_marked_stale():
+    from cachecert_agents.eval.cert_eval import stale_geometry
+
+    assert stale_geometry({"method": "ridge-kv+r20"})  # no score_version: written by v2
+    assert not stale_geometry({"method": "ridge-kv+r20", "score_version": 3})
+    assert not stale_geometry({"method": "ridge-kv"}) and not stale_geometry({"method": "split@6"})
+    assert not stale_geometry({"method": "ridge-kv+r20|screen:ridge-kv"})  # scored on the plain screen
+    assert stale_geometry({"method": "split@6|screen:ridge-kv+r20"})

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
-from cachecert_agents.cert.scores import SCORES, scores_are_current
+from cachecert_agents.cert.scores import SCORE_VERSION, SCORES, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.transfer_eval import full_reference_path, records_path
 from cachecert_agents.eval.workloads import Agreement
@@ -201,6 +201,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved_always_transfer": float(served.mean()),
                     "prefill_saved_perfect_score": ceiling,
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",
+                    "score_version": SCORE_VERSION,
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
                     **({} if labelled.agreement is None else {"agreement": labelled.agreement}),
                 })
@@ -256,6 +257,13 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
     return written
 
 
+def stale_geometry(row: dict) -> bool:
+    """Whether a cert.json row's geometry score predates v3 on a repaired (``+rP``) transfer: rows written before
+    ``score_version`` was recorded are v2, whose geometry counted recomputed tokens as mapped."""
+    scored = row["method"].split(SCREEN_TAG)[-1]  # a screened method is scored on its screen
+    return "+r" in scored and row.get("score_version", 2) < 3
+
+
 def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc") -> list[dict]:
     """One row per (pair, workload, method) at one ``alpha``: the silent-failure rate (served and unsafe, as a
     fraction of all requests) when always transferring against the mean realised risk under each score's
@@ -283,6 +291,7 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
             "prefill_saved_perfect_score": r0.get("prefill_saved_perfect_score")
             if best is None else feasible[best].get("prefill_saved_perfect_score"),
             "infeasible_scores": sorted(set(sel) - set(feasible)),
+            "stale_geometry": stale_geometry(r0),
             "best_score": best,
             "geometry_minus_best_baseline": (feasible["geometry"]["prefill_saved"] - max(baselines))
             if "geometry" in feasible and baselines else None,
@@ -319,7 +328,8 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "alpha of the unsafe ones; `perfect_score_saving`): what is left between it and 1 is the "
                   "transfers' doing, not the certificate's. † = the requests' prefill times come from the cached "
                   "full-prefill reference, possibly timed in another run under another load: those savings are "
-                  "not comparable (see transfer.md).", "",
+                  "not comparable (see transfer.md). ‡ = the pool's geometry scores predate v3 on this repaired "
+                  "transfer (they counted recomputed tokens as mapped; `stale_geometry`).", "",
                   "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
                   "score) | prefill saved: always -> certified (perfect score) | best score | geometry vs best "
                   "baseline |",
@@ -332,7 +342,7 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                      f"{f(s['prefill_saved_always_transfer'])} -> -")
             saved += f" ({f(s.get('prefill_saved_perfect_score'))})"
             saved += " †" if s["prefill_timing"] != "same run" else ""
-            method = s["method"].replace("|", "\\|")  # a screened method's name holds a pipe
+            method = s["method"].replace("|", "\\|") + (" ‡" if s["stale_geometry"] else "")  # escape the pipe
             lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {method} | {s['n_pool']} "
                          f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
                          f"{f(s['geometry_minus_best_baseline'])} |")
