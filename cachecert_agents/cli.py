@@ -422,8 +422,16 @@ def _plot_dir(args: argparse.Namespace) -> Path:
 
 def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
+    from cachecert_agents.eval.workloads import WORKLOADS, DataNotFoundError, get_workload
 
-    out = transfer_markdown(args.results, args.out, _plot_dir(args))
+    available = {}
+    for name in WORKLOADS:  # evaluation examples per workload, where the data is on disk
+        try:
+            available[name] = len(get_workload(name, args.data).examples("evaluation"))
+        except DataNotFoundError as err:
+            logger.info("coverage: %s data not found (%s); its cells are judged against the required n only", name,
+                        err)
+    out = transfer_markdown(args.results, args.out, _plot_dir(args), available)
     print(f"wrote {out}")
     return 0
 
@@ -984,6 +992,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("report", help="write transfer.md and frontier plots from transfer.json")
     p.add_argument("--results", default="docs/results/transfer.json")
     p.add_argument("--out", default="docs/results/transfer.md")
+    p.add_argument("--data", help="data folder, to count each workload's evaluation examples (default: "
+                                  "../shared/data or $CACHECERT_DATA)")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.set_defaults(func=_cmd_eval_report)
 

@@ -155,6 +155,9 @@ def test_coverage_grid_counts_cells_against_the_required_n():
     assert lines[2] == "| a -> b (needs 100) | 100 ✓ | - |"
     assert lines[3] == "| b -> a (needs 100) | - | 31 |"  # a control alone does not count as a measured cell
     assert lines[-1] == "2 of 4 cells measured, 1 at the required n."
+    lines = coverage_grid(rows, ["a", "b"], ["w1", "w2"], available={"w1": 500, "w2": 31})  # w2 has 31 examples
+    assert lines[3] == "| b -> a (needs 100) | - | 31 ✓ all |"
+    assert lines[-1] == "2 of 4 cells measured, 1 at the required n, 1 at every evaluation example of a smaller workload."
 
 
 def test_eval_report_writes_its_plots_beside_its_output_by_default(tmp_path):

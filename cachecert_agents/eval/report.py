@@ -16,9 +16,11 @@ def _fmt(value: object, digits: int = 3) -> str:
     return str(value)
 
 
-def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: str | Path | None = None) -> Path:
-    """Write ``transfer.md``: the rows of ``transfer.json`` as a table, and one frontier plot per pair
-    (task-score retention against prefill saved, one point per method/split, the no-context floor dashed)."""
+def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: str | Path | None = None,
+                      available: dict[str, int] | None = None) -> Path:
+    """Write ``transfer.md``: the rows of ``transfer.json`` as a table, a coverage grid (``available``: evaluation
+    examples per workload, see :func:`coverage_grid`), and one frontier plot per pair (task-score retention against
+    prefill saved, one point per method/split, the no-context floor dashed)."""
     payload = json.loads(Path(results_file).read_text())
     rows = payload["results"]
     cols = ["sender", "receiver", "workload", "method", "n", "score_full", "score_transfer", "score_no_context",
@@ -44,9 +46,10 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
 
     lines += ["", "## Coverage of the pair x workload grid", "",
               "Largest n of any transfer method per cell (✓: the required n is reached). A workload whose data "
-              "has fewer evaluation examples than the required n (report, on the bundled FreshWiki files) "
-              "cannot reach it; see docs/transfer.md.", "",
-              *coverage_grid(rows, list(EMBEDDED_MODELS), list(WORKLOADS))]
+              "has fewer evaluation examples than the required n cannot reach it: ✓ all marks a cell where every "
+              "one of them is measured. Evaluation examples in the data this report was written with: "
+              + (", ".join(f"{w} {k}" for w, k in sorted(available.items())) if available else "not read") + ".",
+              "", *coverage_grid(rows, list(EMBEDDED_MODELS), list(WORKLOADS), available)]
     plots = _frontier_plots(rows, Path(plot_dir)) if plot_dir else []
     if plots:
         lines += ["", "## Frontiers", ""]
@@ -64,17 +67,19 @@ REQUIRED_N_DEFAULT = 100
 REQUIRED_N_BY_RECEIVER = {"qwen2.5-coder-1.5b": 50}
 
 
-def coverage_grid(rows: list[dict], models: list[str], workloads: list[str]) -> list[str]:
+def coverage_grid(rows: list[dict], models: list[str], workloads: list[str],
+                  available: dict[str, int] | None = None) -> list[str]:
     """Markdown lines: one row per directed pair of ``models``, one column per workload; a cell is the largest
     ``n`` of any transfer method measured there (``-``: none), with ``✓`` where it reaches the required ``n``
-    (``REQUIRED_N_BY_RECEIVER``, else ``REQUIRED_N_DEFAULT``), and a last line counting the cells."""
+    (``REQUIRED_N_BY_RECEIVER``, else ``REQUIRED_N_DEFAULT``) or ``✓ all`` where it falls short of it but covers
+    all ``available[workload]`` evaluation examples of the data, and a last line counting the cells."""
     best: dict[tuple[str, str, str], int] = {}
     for r in rows:
         if _is_transfer(r["method"]):
             key = (r["sender"], r["receiver"], r["workload"])
             best[key] = max(best.get(key, 0), int(r["n"]))
     lines = ["| sender -> receiver | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
-    measured = complete = 0
+    measured = complete = exhausted = 0
     for sender in models:
         for receiver in models:
             if sender == receiver:
@@ -83,12 +88,15 @@ def coverage_grid(rows: list[dict], models: list[str], workloads: list[str]) -> 
             cells = []
             for workload in workloads:
                 n = best.get((sender, receiver, workload))
+                everything = n is not None and n < need and n >= (available or {}).get(workload, need)
                 measured += n is not None
                 complete += n is not None and n >= need
-                cells.append("-" if n is None else f"{n}" + (" ✓" if n >= need else ""))
+                exhausted += everything
+                cells.append("-" if n is None else f"{n}" + (" ✓" if n >= need else " ✓ all" if everything else ""))
             lines.append(f"| {sender} -> {receiver} (needs {need}) | " + " | ".join(cells) + " |")
     total = len(models) * (len(models) - 1) * len(workloads)
-    lines += ["", f"{measured} of {total} cells measured, {complete} at the required n."]
+    lines += ["", f"{measured} of {total} cells measured, {complete} at the required n"
+              + (f", {exhausted} at every evaluation example of a smaller workload." if exhausted else ".")]
     return lines
 
 
