@@ -455,3 +455,13 @@ def test_rows_of_repaired_transfers_scored_before_v3_are_marked_stale():
     assert not stale_geometry({"method": "ridge-kv"}) and not stale_geometry({"method": "split@6"})
     assert not stale_geometry({"method": "ridge-kv+r20|screen:ridge-kv"})  # scored on the plain screen
     assert stale_geometry({"method": "split@6|screen:ridge-kv+r20"})
+
+
+def test_score_auc_is_the_mann_whitney_statistic_with_half_ties():
+    from cachecert_agents.eval.cert_eval import score_auc
+
+    assert score_auc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0  # every unsafe request scores above every safe one
+    assert score_auc([0.9, 0.8, 0.2, 0.1], [0, 0, 1, 1]) == 0.0  # reversed orientation
+    assert score_auc([0.0] * 4, [0, 1, 0, 1]) == 0.5  # a constant score: all ties
+    assert score_auc([0.1, 0.5, 0.5, 0.9], [0, 0, 1, 1]) == pytest.approx((1 + 0.5 + 1 + 1) / 4)
+    assert score_auc([0.3, 0.4], [1, 1]) is None  # one class only

@@ -150,6 +150,19 @@ def with_screens(labelled: dict[str, LabelledRequests], screen: str) -> dict[str
     return out
 
 
+def score_auc(scores: np.ndarray, unsafe: np.ndarray) -> float | None:
+    """How well a risk score ranks unsafe requests above safe ones: the ROC AUC, ``P(score_unsafe > score_safe)``
+    with ties counted one half (the Mann-Whitney statistic over ``scores`` ``[n]`` and labels ``unsafe`` ``[n]``,
+    1 = unsafe). 0.5 = no better than chance (a constant score), 1 = perfect. None when the pool holds only one
+    class. The certificate's guarantee holds for any score; the AUC says how much it can accept within it."""
+    scores, bad = np.asarray(scores, float), np.asarray(unsafe, float) > 0.5
+    n_bad, n_good = int(bad.sum()), int((~bad).sum())
+    if n_bad == 0 or n_good == 0:
+        return None
+    diff = scores[bad][:, None] - scores[~bad][None, :]  # [n_bad, n_good]
+    return float(((diff > 0).sum() + 0.5 * (diff == 0).sum()) / (n_bad * n_good))
+
+
 def perfect_score_saving(unsafe: np.ndarray, gain_served: np.ndarray, gain_refused: np.ndarray,
                          alpha: float) -> float:
     """The most prefill any risk score could save on this pool at risk ``alpha``: the in-sample optimum of
@@ -183,6 +196,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
     rows = []
     for score in scores:
         served, refused = labelled.gains(score)
+        auc = score_auc(labelled.scores[score], labelled.unsafe)
         for alpha in alphas:
             ceiling = perfect_score_saving(labelled.unsafe, served, refused, alpha)
             for d in ([None] if delta is None else [None, delta]):
@@ -200,6 +214,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": float(served.mean()),
                     "prefill_saved_perfect_score": ceiling,
+                    "score_auc": auc,
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",
                     "score_version": SCORE_VERSION,
                     "test_risks": [round(float(x), 5) for x in res["test_risks"]],
@@ -290,6 +305,7 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
             "prefill_saved": {s: r["prefill_saved"] for s, r in feasible.items()},
             "prefill_saved_perfect_score": r0.get("prefill_saved_perfect_score")
             if best is None else feasible[best].get("prefill_saved_perfect_score"),
+            "score_auc": {s: r.get("score_auc") for s, r in sel.items() if s != "constant"},
             "infeasible_scores": sorted(set(sel) - set(feasible)),
             "stale_geometry": stale_geometry(r0),
             "best_score": best,
@@ -329,11 +345,13 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "transfers' doing, not the certificate's. † = the requests' prefill times come from the cached "
                   "full-prefill reference, possibly timed in another run under another load: those savings are "
                   "not comparable (see transfer.md). ‡ = the pool's geometry scores predate v3 on this repaired "
-                  "transfer (they counted recomputed tokens as mapped; `stale_geometry`).", "",
+                  "transfer (they counted recomputed tokens as mapped; `stale_geometry`). AUC = how well each score "
+                  "ranks the pool's unsafe requests above its safe ones (0.5: chance; `score_auc`; - in rows "
+                  "written before it was recorded).", "",
                   "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
                   "score) | prefill saved: always -> certified (perfect score) | best score | geometry vs best "
-                  "baseline |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "baseline | AUC geometry / entropy / margin |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for s in summary:
             b = s["best_score"]
             cert = (f"{f(s['silent_failure_always_transfer'])} -> {f(s['risk_mean'][b])}" if b else
@@ -345,7 +363,8 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
             method = s["method"].replace("|", "\\|") + (" ‡" if s["stale_geometry"] else "")  # escape the pipe
             lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {method} | {s['n_pool']} "
                          f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
-                         f"{f(s['geometry_minus_best_baseline'])} |")
+                         f"{f(s['geometry_minus_best_baseline'])} | "
+                         f"{' / '.join(f(s['score_auc'].get(k)) for k in ('geometry', 'entropy', 'margin'))} |")
         lines.append("")
     groups = sorted({pool_key(r) for r in rows})
     for key in groups:
