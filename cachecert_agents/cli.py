@@ -1065,9 +1065,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
     p.add_argument("--agreement", type=_parse_agreement, default=None, metavar="CRITERION",
-                   help="label the calibration requests by this agreement criterion with full prefill (the runtime's audits use it too) instead of the "
-                        "workload's own (exact match for short answers, rouge-l>=0.5 for long): 'exact', "
-                        "'token-f1>=T' or 'rouge-l>=T'")
+                   help="label the calibration requests by this agreement criterion with full prefill instead of "
+                        "the workload's own (exact match for short answers, rouge-l>=0.5 for long): 'exact', "
+                        "'token-f1>=T' or 'rouge-l>=T'; the runtime's audits judge by it too")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--out", required=True, help="certificate JSON to write")
     p.add_argument("--force", action="store_true", help="replace an existing certificate file")
