@@ -228,7 +228,8 @@ class CacheCertRuntime:
         score_r = (parse_method(cert.screen_method).recompute or 0) / 100 if cert.screen_method else served_r
         logger.info("route %s->%s ready: %s, %s score, %s alpha=%g lambda=%s (n=%d)", cfg.sender, cfg.receiver,
                     cert.method, cert.score, cert.control.upper(), cert.alpha, cert.threshold, cert.n)
-        return Route(cfg, mapper, scorer, cert, get_workload(cert.workload, agreement=cert.agreement).agree, served_r, score_r)
+        agree = get_workload(cert.workload, agreement=cert.agreement).agree  # the criterion the labels used
+        return Route(cfg, mapper, scorer, cert, agree, served_r, score_r)
 
     # ------------------------------------------------------------------ the policy
     def generate(self, model: str, context: str, instruction: str, system: str | None = None,

@@ -6,8 +6,9 @@ transfer method (and, for a two-stage transfer, the cheap *screen* method whose 
 served method runs at all), the score definition, the guarantee (``crc``: expected rate of unsafe transfers served
 ``<= alpha``; ``ltt``: that rate ``<= alpha`` with probability ``>= 1 - delta``), ``n``, ``lambda``, a
 fingerprint of the labelled calibration requests, the agreement criterion the labels used (None: the
-workload's own; the runtime's audits judge served answers by the same one), the date and the library version. Loading verifies the format
-and a checksum of the content, so a corrupt or hand-edited file is refused, not trusted.
+workload's own; the runtime's audits judge served answers by the same one), the date and the library version.
+Loading verifies the format and a checksum of the content, so a corrupt or hand-edited file is refused, not
+trusted.
 """
 
 from __future__ import annotations

@@ -202,9 +202,11 @@ class RiskScorer:
         ``features`` are the sender's features already on the receiver's context tokens (needed for the
         stream term when ``0 < split < L``). ``exact`` (``[r]`` context offsets, e.g. a transfer's
         ``recomputed_index``) are tokens whose keys/values are the receiver's own: they carry no mapping error, so
-        the attention the suffix pays them adds nothing to the geometry score. Returns ``(scores, forward output, timings)``: ``pass_s`` is the
-        whole recorded suffix pass (a plain pass is needed anyway to answer), ``score_s`` the score arithmetic
-        after it. The forward output's last logits seed :meth:`ModelHandle.decode`.
+        the attention the suffix pays them adds nothing to the geometry score.
+
+        Returns ``(scores, forward output, timings)``: ``pass_s`` is the whole recorded suffix pass (a plain pass
+        is needed anyway to answer), ``score_s`` the score arithmetic after it. The forward output's last logits
+        seed :meth:`ModelHandle.decode`.
         """
         mapped = [layer for layer in range(split) if layer in self.layers]
         t_pass = time.perf_counter()
