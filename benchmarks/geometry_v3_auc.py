@@ -51,9 +51,8 @@ def main() -> None:
                          "auc_geometry_v2": auc(old, "geometry"), "auc_geometry_v3": auc(new, "geometry"),
                          "auc_entropy": auc(new, "entropy"), "auc_margin": auc(new, "margin")})
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()))
-    write_json_atomic(Path(args.out), {"command": "python " + shlex.join(sys.argv),
-                                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                                 "results": rows})
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_json_atomic(Path(args.out), {"command": "python " + shlex.join(sys.argv), "date": date, "results": rows})
 
 
 if __name__ == "__main__":

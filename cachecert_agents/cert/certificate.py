@@ -100,9 +100,10 @@ class Certificate(BaseModel):
         if method is not None and method != self.method:
             raise CertificateError(f"certificate covers method {self.method}, not {method}")
         from cachecert_agents.cert.scores import definition_is_current, score_definition
+        from cachecert_agents.eval.transfer_eval import parse_method
 
-        scored_method = self.screen_method or self.method  # the transfer the score is computed on
-        if not definition_is_current(self.score_definition, self.score, repaired="+r" in scored_method):
+        scored = parse_method(self.screen_method or self.method)  # the transfer the score is computed on
+        if not definition_is_current(self.score_definition, self.score, repaired=bool(scored.recompute)):
             raise CertificateError(f"certificate was fitted on score {self.score_definition!r}; this library computes "
                                    f"{score_definition(self.score)!r}; run `cachecert certify` again")
 

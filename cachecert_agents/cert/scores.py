@@ -50,18 +50,25 @@ SCORE_VERSION = 3  # bump when a score's definition changes: labels and certific
 # mapping error); so v2 scores of any other transfer, and v2 entropy/margin/constant, are still current.
 
 
+def version_is_current(version: int | None, repaired: bool, score: str | None = None) -> bool:
+    """Whether scores of definition ``version`` computed on a transfer that was (``repaired``) or was not repaired by
+    selective recompute equal this library's, for ``score`` (None: every score, as a record holds them all). The
+    one rule behind :func:`scores_are_current`, :func:`definition_is_current` and cert.json's stale rows."""
+    return version == SCORE_VERSION or (version == 2 and not (repaired and score in (None, "geometry")))
+
+
 def scores_are_current(record: dict) -> bool:
-    """Whether a labelled request's recorded ``risk`` scores are this library's (see ``SCORE_VERSION``); a v2 record
-    is current unless its transfer recomputed tokens (``recomputed_tokens`` > 0)."""
-    version = record.get("risk", {}).get("version")
-    return version == SCORE_VERSION or (version == 2 and not record.get("recomputed_tokens"))
+    """Whether a labelled request's recorded ``risk`` scores are this library's (:func:`version_is_current`; the
+    record's transfer was repaired when it recomputed tokens, ``recomputed_tokens`` > 0)."""
+    return version_is_current(record.get("risk", {}).get("version"), bool(record.get("recomputed_tokens")))
 
 
 def definition_is_current(definition: str, score: str, repaired: bool) -> bool:
-    """Whether a certificate's recorded score ``definition`` is this library's for ``score`` on a transfer that is
-    (``repaired``) or is not repaired by selective recompute (the certificate rule of :func:`scores_are_current`)."""
-    old = f"cachecert_agents.cert.scores:{score}/v2"
-    return definition == score_definition(score) or (definition == old and not (repaired and score == "geometry"))
+    """Whether a certificate's recorded ``definition`` (:func:`score_definition` of some version) of ``score`` is
+    this library's on a transfer that is (``repaired``) or is not repaired (:func:`version_is_current`)."""
+    prefix = f"cachecert_agents.cert.scores:{score}/v"
+    version = definition[len(prefix):]
+    return definition.startswith(prefix) and version.isdigit() and version_is_current(int(version), repaired, score)
 
 
 def score_definition(score: str) -> str:
@@ -233,9 +240,10 @@ class RiskScorer:
         geo = self.receiver.geometry
         L = geo.num_layers
         group = geo.num_heads // geo.num_kv_heads
-        mapped_tokens = torch.ones(context_span[1] - context_span[0])  # [n_context]: 1 = mapped, 0 = exact
-        if exact is not None:
-            mapped_tokens[exact.cpu().long()] = 0.0
+        mapped_tokens = None  # [n_context]: 1 = mapped, 0 = exact (the receiver's own keys/values); None: all mapped
+        if exact is not None and exact.numel():
+            mapped_tokens = torch.ones(context_span[1] - context_span[0], device=attentions[0].device)
+            mapped_tokens[exact.to(mapped_tokens.device).long()] = 0.0
         kv_terms = []
         for layer in mapped:
             g = self.layers[layer]
@@ -243,7 +251,8 @@ class RiskScorer:
             key_var = g.key_var.repeat_interleave(group, 0)[:, None, :]  # [heads, 1, d]
             key_err = ((q * q) * key_var).sum(-1) / geo.head_dim  # [heads, m]: E[ds^2] per query
             a = context_attention(attentions[layer], context_span, total).float()  # [heads, m, n_context]
-            a = a * mapped_tokens.to(a.device)
+            if mapped_tokens is not None:
+                a = a * mapped_tokens
             concentration = (a * a).sum(-1)  # [heads, m]
             per_query = concentration * (key_err * g.spread + g.value_err[:, None])
             kv_terms.append(float(per_query.mean()) / max(g.energy, 1e-12))
@@ -251,7 +260,9 @@ class RiskScorer:
         if 0 < split < L and split in self.streams and features is not None:
             st = self.streams[split]
             x = features.select(st.sender_layers).float().cpu() - st.mean  # [n_context, F]
-            lev = ((x @ st.precision) * x).sum(-1) / st.dof * mapped_tokens  # [n_context]
+            lev = ((x @ st.precision) * x).sum(-1) / st.dof  # [n_context]
+            if mapped_tokens is not None:
+                lev = lev * mapped_tokens.cpu()
             abar = torch.stack([context_attention(a, context_span, total).float().mean((0, 1))
                                 for a in attentions[split:]]).mean(0)
             score += (1 - split / L) * st.relres * float((abar.cpu() * lev).sum())

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from cachecert_agents.cert.conformal import split_validation
-from cachecert_agents.cert.scores import SCORE_VERSION, SCORES, scores_are_current
+from cachecert_agents.cert.scores import SCORE_VERSION, SCORES, scores_are_current, version_is_current
 from cachecert_agents.errors import CacheCertError
-from cachecert_agents.eval.transfer_eval import full_reference_path, records_path
+from cachecert_agents.eval.transfer_eval import full_reference_path, parse_method, records_path
 from cachecert_agents.eval.workloads import Agreement
 from cachecert_agents.jsonl import read_jsonl
 
@@ -92,8 +92,8 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
     for rec in read_jsonl(path):
         if "risk" in rec and "agree" in rec and scores_are_current(rec):
             latest[(rec["id"], rec["method"])] = rec
-    if agreement is not None:
-        criterion = Agreement.parse(agreement)
+    criterion = None if agreement is None else Agreement.parse(agreement)
+    if criterion is not None:
         full_path = full_reference_path(Path(results_dir), receiver, workload)
         full = {r["id"]: r["answer"] for r in read_jsonl(full_path)}
         for rec in latest.values():
@@ -110,7 +110,7 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
             {s: np.array([float(r["risk"][s]) for r in recs]) for s in SCORES},
             np.array([0.0 if r["agree"] else 1.0 for r in recs]), arr("prefill_s"), arr("transfer_s"),
             arr("pass_s"), arr("score_s"), all(r.get("prefill_timed") == "same-run" for r in recs),
-            agreement=None if agreement is None else str(Agreement.parse(agreement)))
+            agreement=None if criterion is None else str(criterion))
     return out
 
 
@@ -275,8 +275,8 @@ def plot_certification(rows: list[dict], out_dir: Path) -> list[Path]:
 def stale_geometry(row: dict) -> bool:
     """Whether a cert.json row's geometry score predates v3 on a repaired (``+rP``) transfer: rows written before
     ``score_version`` was recorded are v2, whose geometry counted recomputed tokens as mapped."""
-    scored = row["method"].split(SCREEN_TAG)[-1]  # a screened method is scored on its screen
-    return "+r" in scored and row.get("score_version", 2) < 3
+    scored = parse_method(row["method"].split(SCREEN_TAG)[-1])  # a screened method is scored on its screen
+    return not version_is_current(row.get("score_version", 2), bool(scored.recompute), "geometry")
 
 
 def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc") -> list[dict]:
