@@ -2,7 +2,8 @@
 
 For each context length (receiver tokens of the bundled sample text) and each split, the median over repeats of
 (a) the receiver's prefill of the context on top of its cached template prefix and (b) the transfer (mapping,
-RoPE, and the receiver's own layers above the split), measured in one run, and their ratio. The sender's features
+RoPE, and the receiver's own layers above the split), measured in one run with (a) and (b) interleaved repeat by
+repeat, and their ratio. The sender's features
 are computed once and not charged: in a handoff the sender already has them.
 """
 
@@ -34,17 +35,20 @@ def transfer_cost(sender: ModelHandle, receiver: ModelHandle, mapper: RidgeMappe
         r_prompt = receiver.format_prompt(context, INSTRUCTION)
         feats = sender_features(sender, sender.format_prompt(context, INSTRUCTION))
         prefix = receiver.prefill(r_prompt.prefix_ids).cache
-        prefill = []
-        for _ in range(repeats):
+        variants = method_variants(splits, recompute, receiver.geometry.num_layers, recompute_splits)
+        prefill: list[float] = []
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(repeats):  # interleaved: a change of load during the run lands on both sides of a ratio
             cache = copy.deepcopy(prefix)
             t0 = time.perf_counter()
             receiver.forward(r_prompt.context_ids, cache, logits_to_keep=1)
             prefill.append(time.perf_counter() - t0)
+            for (s, pct), spent in zip(variants, times):
+                spent.append(transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix,
+                                      recompute=(pct or 0) / 100).transfer_s)
         prefill_med = statistics.median(prefill)
-        for s, pct in method_variants(splits, recompute, receiver.geometry.num_layers, recompute_splits):
-            times = [transfer(receiver, r_prompt, feats, mapper, s, prefix_cache=prefix,
-                              recompute=(pct or 0) / 100).transfer_s for _ in range(repeats)]
-            med = statistics.median(times)
+        for (s, pct), spent in zip(variants, times):
+            med = statistics.median(spent)
             rows.append({"sender": sender.name, "receiver": receiver.name,
                          "context_tokens": int(r_prompt.context_ids.numel()),
                          "split": s, "num_layers": receiver.geometry.num_layers,
