@@ -33,6 +33,21 @@ def test_summary_rows_compute_retention_agreement_and_savings():
     assert row["prefill_saved"] == pytest.approx(1 - 9.0 / 11.5) and row["prefill_timing"] == "same run"
 
 
+def test_controls_on_only_some_of_a_rows_examples_are_not_reported():
+    # no-context and the sender's answer ran on 2 of the 4 questions (a run resumed with --no-controls): a floor
+    # over other questions than the transfer's is no floor, so the row carries none rather than a mean of two
+    full = [{"id": str(i), "score": 0.8, "prefill_s": 10.0} for i in range(4)]
+    records = [_rec(i, "ridge-kv", 0.4, True, split=28, num_layers=28, transfer_s=1.0) for i in range(4)]
+    records += [_rec(i, m, 0.1, False) for i in range(2) for m in ("no-context", "sender")]
+    records += [_rec(i, "random-map", 0.0, False, transfer_s=0.1) for i in range(4)]
+    (row,) = summarise(records, full)
+    assert row["n"] == 4 and row["score_transfer"] == pytest.approx(0.4)
+    assert row["score_no_context"] is None and row["agreement_no_context"] is None and row["score_sender"] is None
+    assert row["score_random_map"] == pytest.approx(0.0)  # this control covers every question
+    (sub,) = summarise([r for r in records if r["id"] in ("0", "1")], full)  # on the covered questions it counts
+    assert sub["score_no_context"] == pytest.approx(0.1) and sub["agreement_no_context"] == 0.0
+
+
 def test_method_names():
     assert method_name(28, 28) == "ridge-kv" and method_name(7, 28) == "split@7"
 

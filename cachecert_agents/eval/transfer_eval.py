@@ -325,18 +325,28 @@ def latest_records(records: list[dict], ids: list[str]) -> list[dict]:
     return list(latest.values())
 
 
+def _control_mean(values: dict[str, float], ids: list[str]) -> float | None:
+    """Mean of a control's per-example values over a row's examples ``ids``; None unless the control covers every
+    one of them (a floor measured on other questions than the transfer's is not a comparison)."""
+    if not ids or any(i not in values for i in ids):
+        return None
+    return statistics.mean(values[i] for i in ids)
+
+
 def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
-    """Rows of ``transfer.json``: one per (sender, receiver, workload, method)."""
+    """Rows of ``transfer.json``: one per (sender, receiver, workload, method). The controls (no context, the
+    sender's answer, a random map) are reported on a row only when they cover all of its examples."""
     full = {r["id"]: r for r in full_records}
     by_method: dict[str, list[dict]] = {}
     for r in records:
         if r["id"] in full:
             by_method.setdefault(r["method"], []).append(r)
-    no_ctx = {r["id"]: r["score"] for r in by_method.get("no-context", [])}
-    random_map = {r["id"]: r["score"] for r in by_method.get("random-map", [])}
+    controls = {m: {r["id"]: r for r in by_method.get(m, [])} for m in ("no-context", "sender", "random-map")}
+    scores = {m: {i: r["score"] for i, r in recs.items()} for m, recs in controls.items()}
+    no_ctx_agree = {i: 1.0 if r["agree"] else 0.0 for i, r in controls["no-context"].items()}
     rows = []
     for method, recs in sorted(by_method.items()):
-        if method in ("no-context", "sender", "random-map"):
+        if method in controls:
             continue  # the pruned-/lexical-context@P controls get rows: their retention and cost are the comparison
         ids = [r["id"] for r in recs]
         score_full = statistics.mean(full[i]["score"] for i in ids)
@@ -350,17 +360,14 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "sender": first["sender"], "receiver": first["receiver"], "workload": first["workload"],
             "method": method, "split": first.get("split"), "num_layers": first.get("num_layers"), "n": len(recs),
             "score_full": score_full, "score_transfer": score_transfer,
-            "score_no_context": statistics.mean(no_ctx[i] for i in ids if i in no_ctx) if no_ctx else None,
-            "score_sender": statistics.mean(r["score"] for r in by_method.get("sender", []) if r["id"] in ids)
-            if by_method.get("sender") else None,
-            "score_random_map": statistics.mean(random_map[i] for i in ids if i in random_map)
-            if any(i in random_map for i in ids) else None,
+            "score_no_context": _control_mean(scores["no-context"], ids),
+            "score_sender": _control_mean(scores["sender"], ids),
+            "score_random_map": _control_mean(scores["random-map"], ids),
             "retention": score_transfer / score_full if score_full else None,
             "retention_ci95": [low, high],  # paired bootstrap over the examples
             "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
             "unsafe_rate": 1 - statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
-            "agreement_no_context": statistics.mean(1.0 if r["agree"] else 0.0 for r in by_method["no-context"]
-                                                    if r["id"] in ids) if by_method.get("no-context") else None,
+            "agreement_no_context": _control_mean(no_ctx_agree, ids),
             "prefill_saved": 1 - transfer_med / prefill_med,
             "prefill_timing": "same run" if all(r.get("prefill_timed") == "same-run" for r in recs)
             else "receiver prefill from the cached full-prefill reference (another run)",
