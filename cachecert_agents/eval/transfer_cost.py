@@ -3,8 +3,8 @@
 For each context length (receiver tokens of the bundled sample text) and each split, the median over repeats of
 (a) the receiver's prefill of the context on top of its cached template prefix and (b) the transfer (mapping,
 RoPE, and the receiver's own layers above the split), measured in one run with (a) and (b) interleaved repeat by
-repeat, and their ratio. The sender's features
-are computed once and not charged: in a handoff the sender already has them.
+repeat, and their ratio. The sender's features are computed once and not charged: in a handoff the sender already
+has them.
 """
 
 from __future__ import annotations

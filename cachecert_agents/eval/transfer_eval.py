@@ -341,9 +341,9 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
     for r in records:
         if r["id"] in full:
             by_method.setdefault(r["method"], []).append(r)
-    controls = {m: {r["id"]: r for r in by_method.get(m, [])} for m in ("no-context", "sender", "random-map")}
-    scores = {m: {i: r["score"] for i, r in recs.items()} for m, recs in controls.items()}
-    no_ctx_agree = {i: 1.0 if r["agree"] else 0.0 for i, r in controls["no-context"].items()}
+    controls = ("no-context", "sender", "random-map")
+    scores = {m: {r["id"]: r["score"] for r in by_method.get(m, [])} for m in controls}
+    no_ctx_agree = {r["id"]: 1.0 if r["agree"] else 0.0 for r in by_method.get("no-context", [])}
     rows = []
     for method, recs in sorted(by_method.items()):
         if method in controls:
@@ -356,6 +356,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
         transfer_med = statistics.median(r["transfer_s"] for r in recs)
         first = recs[0]
         low, high = ratio_interval([r["score"] for r in recs], [full[i]["score"] for i in ids])
+        agreement = statistics.mean(1.0 if r["agree"] else 0.0 for r in recs)
         rows.append({
             "sender": first["sender"], "receiver": first["receiver"], "workload": first["workload"],
             "method": method, "split": first.get("split"), "num_layers": first.get("num_layers"), "n": len(recs),
@@ -365,8 +366,7 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "score_random_map": _control_mean(scores["random-map"], ids),
             "retention": score_transfer / score_full if score_full else None,
             "retention_ci95": [low, high],  # paired bootstrap over the examples
-            "agreement": statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
-            "unsafe_rate": 1 - statistics.mean(1.0 if r["agree"] else 0.0 for r in recs),
+            "agreement": agreement, "unsafe_rate": 1 - agreement,
             "agreement_no_context": _control_mean(no_ctx_agree, ids),
             "prefill_saved": 1 - transfer_med / prefill_med,
             "prefill_timing": "same run" if all(r.get("prefill_timed") == "same-run" for r in recs)
