@@ -1,14 +1,19 @@
 """Saved artifacts: one safetensors file of tensors plus one JSON header, written atomically, never pickled.
 
 ``<stem>.safetensors`` and ``<stem>.json`` are written to temporary names and renamed, so an interrupted write
-never leaves a half artifact under the real name. Loading checks the header's ``format`` and, when asked, that
-its recorded pair and fingerprints match the use (``GeometryMismatchError`` naming both sides otherwise).
+never leaves a half artifact under the real name. The header records the sha256 of the tensor file
+(``tensors_sha256``), so a header paired with other tensors (a crash between the two renames, a file copied over
+by hand) is refused on load. Loading checks the header's ``format`` and, when asked, that its recorded pair and
+fingerprints match the use (``GeometryMismatchError`` naming both sides otherwise).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -16,20 +21,63 @@ from safetensors.torch import load_file, save_file
 
 from cachecert_agents.errors import GeometryMismatchError
 
+logger = logging.getLogger(__name__)
+
+#: identity entries an artifact built before they existed may lack: checked when recorded, warned about when not
+OPTIONAL_IDENTITY_KEYS = ("sender_weights", "receiver_weights")
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 (16 hex) of a file's bytes (e.g. a mapper's safetensors)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
 
 def artifact_paths(stem: str | Path) -> tuple[Path, Path]:
     """``(<stem>.safetensors, <stem>.json)``: suffixes are appended, never substituted (model names have dots)."""
     return Path(f"{stem}.safetensors"), Path(f"{stem}.json")
 
 
+def artifact_fingerprint(stem: str | Path) -> str:
+    """The sha256 (16 hex) of an artifact's tensor file: as its header records it, else computed."""
+    st, js = artifact_paths(stem)
+    return json.loads(js.read_text()).get("tensors_sha256") or file_fingerprint(st)
+
+
+def keep_aside(path: str | Path) -> Path | None:
+    """Rename an existing file to ``<name>.replaced-<unix time>`` (logged) before something new takes its
+    name, so nothing a user built is silently overwritten; returns the new path (None when there was no file)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    aside = path.with_name(f"{path.name}.replaced-{int(time.time())}")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.replaced-{int(time.time())}-{n}"), n + 1
+    path.rename(aside)
+    logger.warning("kept the earlier %s aside as %s", path, aside)
+    return aside
+
+
+def keep_artifact_aside(stem: str | Path) -> None:
+    """:func:`keep_aside` both files of an artifact."""
+    for path in artifact_paths(stem):
+        keep_aside(path)
+
+
 def save_artifact(stem: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> Path:
-    """Write ``<stem>.safetensors`` and ``<stem>.json``; returns the safetensors path."""
+    """Write ``<stem>.safetensors`` and ``<stem>.json`` (the header plus ``tensors_sha256``); returns the
+    safetensors path. Temporary names are unique per process, so concurrent writers do not collide."""
     st, js = artifact_paths(stem)
     st.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st) + ".tmp")
-    Path(str(js) + ".tmp").write_text(json.dumps(header, indent=1))
-    os.replace(str(st) + ".tmp", st)
-    os.replace(str(js) + ".tmp", js)
+    st_tmp, js_tmp = Path(f"{st}.{os.getpid()}.tmp"), Path(f"{js}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st_tmp))
+    js_tmp.write_text(json.dumps(dict(header, tensors_sha256=file_fingerprint(st_tmp)), indent=1))
+    os.replace(st_tmp, st)
+    os.replace(js_tmp, js)
     return st
 
 
@@ -41,12 +89,22 @@ def load_artifact(stem: str | Path, fmt: str, expect: dict | None = None, what: 
     if header.get("format") != fmt:
         raise ValueError(f"{js}: not a {fmt} file (format {header.get('format')!r})")
     check_header(header, expect, f"{what} {stem}")
+    recorded = header.get("tensors_sha256")
+    if recorded is not None and file_fingerprint(st) != recorded:
+        raise ValueError(f"{st} does not match its header {js} (tensors sha256 {file_fingerprint(st)}, header "
+                         f"records {recorded}): the pair was not written together; rebuild the {what}")
     return header, load_file(str(st))
 
 
 def check_header(header: dict, expect: dict | None, what: str) -> None:
-    """Refuse an artifact whose recorded pair/fingerprints differ from ``expect`` (a clear, named error)."""
+    """Refuse an artifact whose recorded pair/fingerprints differ from ``expect`` (a clear, named error). An
+    :data:`OPTIONAL_IDENTITY_KEYS` entry the artifact does not record (built by an earlier version) is warned
+    about, not refused: its geometry and tokenizer fingerprints are still checked."""
     for key, value in (expect or {}).items():
+        if key in OPTIONAL_IDENTITY_KEYS and key not in header:
+            logger.warning("%s records no %s (built by an earlier version): the models' weights are not checked, "
+                           "only their geometry and tokenizer; rebuild it to check them", what, key)
+            continue
         if header.get(key) != value:
             raise GeometryMismatchError(f"{what} was built for {key}={header.get(key)!r}, but this use needs "
                                         f"{key}={value!r}; rebuild it with `cachecert calibrate`")

@@ -541,8 +541,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     """Fit a certificate from labelled requests (running the labelling evaluation first when too few exist)."""
     from pathlib import Path
 
-    from cachecert_agents.artifacts import artifact_paths
-    from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+    from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths
+    from cachecert_agents.cert.certificate import build_certificate
     from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.eval.cert_eval import labelled_requests, screened_requests
     from cachecert_agents.eval.transfer_eval import (build_mapper, build_scorer, evaluate_transfer, mapper_stem,
@@ -572,9 +572,17 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     key = args.method if args.screen is None else f"{args.method}|screen:{args.screen}"
     results_dir = Path(args.results_dir)
 
+    stem = mapper_stem(sender_name, receiver_name, args.workload, hidden_width=hidden_width)
+    st, js = artifact_paths(stem)
+
     def labelled_pool():
-        """The labelled requests certified (None when missing), and the screen's split (None without one)."""
-        pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload, agreement=args.agreement)
+        """The requests labelled with the mapper now at ``stem`` (None when missing or there is no mapper), and
+        the screen's split (None without one). Records labelled with another mapper (an earlier calibration)
+        do not count: the certificate names this mapper, so its labels must come from it."""
+        if not js.exists():
+            return None, None
+        pool = labelled_requests(results_dir, sender_name, receiver_name, args.workload, agreement=args.agreement,
+                                 mapper_fingerprint=artifact_fingerprint(stem))
         target, screen = pool.get(args.method), pool.get(args.screen) if args.screen else None
         if args.screen is None or target is None or screen is None:
             return (target if args.screen is None else None), None
@@ -586,26 +594,27 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     if labelled is None or len(labelled) < args.n:
         have = 0 if labelled is None else len(labelled)
         if args.no_run:
-            raise CacheCertError(f"{have} labelled requests for {sender_name}->{receiver_name} {args.workload} "
-                                 f"{key} in {results_dir}; --n asks for {args.n}. Run without --no-run, or "
-                                 f"`cachecert eval transfer` with risk scores")
+            raise CacheCertError(f"{have} requests for {sender_name}->{receiver_name} {args.workload} {key} in "
+                                 f"{results_dir} are labelled with the mapper at {stem}; --n asks for {args.n}. "
+                                 f"Run without --no-run, or `cachecert eval transfer` with risk scores")
         logger.info("%d labelled requests, %d asked: running the labelling evaluation", have, args.n)
         sender, receiver, workload = _load_pair(args)
         splits = [parse_method(m, receiver.geometry.num_layers)[0] for m in (args.method, args.screen) if m]
         mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=hidden_width)
         evaluate_transfer(sender, receiver, workload, mapper, splits, args.n, results_dir,
                           scorer=build_scorer(sender, receiver, workload, mapper), controls=False,
-                          recompute=(recompute,) if recompute else ())
+                          recompute=(recompute,) if recompute else (), require_mapper=True)
         labelled, screen_split = labelled_pool()
-    stem = mapper_stem(sender_name, receiver_name, args.workload, hidden_width=hidden_width)
-    st, js = artifact_paths(stem)
     if not st.exists():
         raise CacheCertError(f"no mapper at {stem}; run `cachecert calibrate` first")
+    if labelled is None:
+        raise CacheCertError(f"no requests labelled with the mapper at {stem} for {key}")
     header = json.loads(js.read_text())
     fps = pair_fingerprints(header)
     cert = build_certificate(
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
-        sender=sender_name, receiver=receiver_name, pair_fingerprints=fps, mapper_fingerprint=file_fingerprint(st),
+        sender=sender_name, receiver=receiver_name, pair_fingerprints=fps,
+        mapper_fingerprint=artifact_fingerprint(stem),
         workload=args.workload, method=args.method, split=labelled.split, score=args.score,
         score_definition=score_definition(args.score), screen_method=args.screen,
         screen_split=screen_split, agreement=args.agreement)

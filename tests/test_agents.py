@@ -22,7 +22,7 @@ from cachecert_agents.agents.node import ModelCall, cachecert_node
 from cachecert_agents.agents.runtime import CacheCertRuntime, RouteConfig, RuntimeConfig
 from cachecert_agents.agents.store import CachedContext, KVCacheStore, text_key, token_key
 from cachecert_agents.cert.audit import AuditLog, summarise_audits, wilson_interval
-from cachecert_agents.cert.certificate import build_certificate, file_fingerprint
+from cachecert_agents.cert.certificate import Certificate, build_certificate, file_fingerprint
 from cachecert_agents.cert.scores import score_definition
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_header
@@ -211,9 +211,20 @@ def test_a_certificate_that_accepts_nothing_is_not_even_tried(pair, artifacts, t
 
 
 @pytest.mark.parametrize("fault", ["mapper raises", "corrupt certificate", "mismatched certificate",
-                                   "missing certificate"])
+                                   "missing certificate", "certificate of another pair",
+                                   "certificate of other weights", "statistics of another fit"])
 def test_faults_end_in_a_correct_prefilled_answer(pair, artifacts, tmp_path, fault, caplog):
     cert = artifacts("accept.json")
+    if fault in ("certificate of another pair", "certificate of other weights"):
+        loaded = Certificate.load(cert)
+        update = ({"sender": "tiny-x"} if fault == "certificate of another pair" else
+                  {"pair_fingerprints": dict(loaded.pair_fingerprints, receiver_weights="0" * 16)})
+        loaded.model_copy(update=update).save(cert, overwrite=True)
+    elif fault == "statistics of another fit":  # e.g. a calibration interrupted between statistics and mapper
+        sender, receiver = pair
+        text = sender.tokenizer.decode(torch.arange(4, 100))
+        collect_statistics(sender, receiver, [(text, "summarise")], [1], progress=False).save(
+            tmp_path / "mapper.stats")
     if fault == "corrupt certificate":
         with open(cert, "a") as fh:
             fh.write("garbage")
@@ -237,8 +248,41 @@ def test_faults_end_in_a_correct_prefilled_answer(pair, artifacts, tmp_path, fau
     assert decision.action == "prefill"
     assert text == plain_answer(pair[1], CONTEXT, "write")
     expected = {"mapper raises": "mapper exploded", "corrupt certificate": "JSON",
-                "mismatched certificate": "mapper", "missing certificate": "no certificate"}[fault]
+                "mismatched certificate": "mapper", "missing certificate": "no certificate",
+                "certificate of another pair": "is for tiny-x->tiny-r", "certificate of other weights":
+                "receiver_weights", "statistics of another fit": "fitted on"}[fault]
     assert expected in caplog.text or expected in decision.reason
+
+
+def test_a_held_cache_that_fails_to_serve_is_dropped_and_prefilled(pair, artifacts, tmp_path, monkeypatch, caplog):
+    """The exact-reuse path is fail-safe too: an error while serving a held cache means a prefill."""
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"))
+    runtime.generate("tiny-r", CONTEXT, "write")
+    real, calls = CachedContext.fresh_cache, []
+
+    def fail_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("cache on the wrong device")
+        return real(self)
+
+    monkeypatch.setattr(CachedContext, "fresh_cache", fail_once)
+    with caplog.at_level("WARNING"):
+        text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "wrong device" in decision.reason and runtime.metrics.errors == 1
+    assert text == plain_answer(pair[1], CONTEXT, "write")
+    assert runtime.generate("tiny-r", CONTEXT, "write")[1].action == "reuse"  # the fresh prefill is held again
+
+
+def test_bad_call_arguments_get_clear_errors_and_paths_expand_user(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"))
+    with pytest.raises(TypeError, match="stop_strings"):
+        runtime.generate("tiny-r", CONTEXT, "write", stop_strings="\n\n")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        runtime.generate("tiny-r", CONTEXT, "write", max_new_tokens=0)
+    route = RouteConfig(sender="a", receiver="b", mapper="~/m", certificate="~/c.json")
+    assert not route.mapper.startswith("~") and not route.certificate.startswith("~")
+    assert not RuntimeConfig(audit_log="~/audit.jsonl").audit_log.startswith("~")
 
 
 def test_two_branches_share_the_store_safely(pair, artifacts, tmp_path):

@@ -1,8 +1,11 @@
 """Transfer engine: moments and ridge on synthetic data, artifacts, and transfers between tiny models."""
 
+import shutil
+
 import pytest
 import torch
 
+from cachecert_agents.artifacts import artifact_fingerprint, file_fingerprint, keep_aside
 from cachecert_agents.errors import GeometryMismatchError
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.apply import transfer
@@ -80,6 +83,41 @@ def test_artifacts_round_trip_and_refuse_a_wrong_pair(tmp_path):
     with pytest.raises(GeometryMismatchError):
         PairStatistics.load(tmp_path / "stats", expect={"sender": "someone-else"})
     assert not list(tmp_path.glob("*.tmp"))
+    # the header names its tensors: the mapper's fingerprint is that of its file, and a header paired with
+    # other tensors (a crash between the two renames, a file copied over) is refused
+    assert loaded.fingerprint == mapper.fingerprint == file_fingerprint(tmp_path / "mapper.safetensors")
+    RidgeMapper.fit(stats, rho=1.0).save(tmp_path / "other")
+    shutil.copy(tmp_path / "other.safetensors", tmp_path / "mapper.safetensors")
+    with pytest.raises(ValueError, match="not written together"):
+        RidgeMapper.load(tmp_path / "mapper")
+
+
+def test_weights_identity_is_checked_where_recorded_and_warned_about_where_not(tmp_path, caplog):
+    """An artifact records both models' weights fingerprints: another model of the same geometry and tokenizer
+    (a fine-tune, another quantisation) is refused; an artifact built before they were recorded still loads,
+    with a warning that only geometry and tokenizer were checked."""
+    stats, _, _ = _synthetic_stats(torch.randn(6, 3), torch.zeros(3), n_chunks=3, seed=5)
+    stats.header.update(sender_weights="aaaa", receiver_weights="bbbb")
+    RidgeMapper.fit(stats, rho=1e-3).save(tmp_path / "mapper")
+    assert RidgeMapper.load(tmp_path / "mapper", expect={"sender_weights": "aaaa"}).weights
+    with pytest.raises(GeometryMismatchError, match="receiver_weights"):
+        RidgeMapper.load(tmp_path / "mapper", expect={"receiver_weights": "cccc"})
+    del stats.header["sender_weights"], stats.header["receiver_weights"]
+    RidgeMapper.fit(stats, rho=1e-3).save(tmp_path / "legacy")
+    with caplog.at_level("WARNING"):
+        RidgeMapper.load(tmp_path / "legacy", expect={"sender_weights": "aaaa", "receiver_kv": "b"})
+    assert "weights are not checked" in caplog.text
+
+
+def test_keep_aside_never_overwrites(tmp_path):
+    first = tmp_path / "a.json"
+    first.write_text("1")
+    aside = keep_aside(first)
+    assert aside is not None and aside.read_text() == "1" and not first.exists()
+    first.write_text("2")
+    aside2 = keep_aside(first)
+    assert aside2 != aside and aside.read_text() == "1" and aside2.read_text() == "2"
+    assert keep_aside(tmp_path / "missing.json") is None
 
 
 def test_sender_layer_choice_is_proportional_and_clipped():
@@ -180,6 +218,8 @@ def test_pair_header_names_both_models(twins):
     header = pair_header(*twins, workload="w")
     assert header["sender"] == "tiny-a" and header["receiver"] == "tiny-b" and header["workload"] == "w"
     assert header["sender_kv"] == header["receiver_kv"]
+    assert header["sender_weights"] == twins[0].weights_fingerprint
+    assert header["receiver_weights"] == twins[1].weights_fingerprint
 
 
 def test_random_map_control_keeps_scale_and_drops_information():
@@ -316,7 +356,14 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     assert torch.equal(again.weights["hidden:2"], mapper.weights["hidden:2"])  # loaded, not refitted
     with pytest.raises(ValueError, match="below every split"):
         build_mapper(sender, receiver, wl, [1], n_contexts=2, n_heldout=1, out_dir=tmp_path, anchor=1)
+    stem = tmp_path / "tiny-a__tiny-b__tiny__a1"
+    assert mapper.fingerprint == file_fingerprint(f"{stem}.safetensors")
+    assert mapper.header["statistics_sha256"] == artifact_fingerprint(f"{stem}.stats")
     records, full = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
                                       progress=False, controls=False)
     (row,) = summarise(records, full)
     assert row["method"] == "split@2+a1" and row["n"] == 1
+    assert all(r["mapper_sha256"] == mapper.fingerprint for r in records)  # each label names its mapper
+    # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
+    build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
+    assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4

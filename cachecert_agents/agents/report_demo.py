@@ -110,8 +110,8 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
     """Mapper, labelled requests and certificate for ``sender -> receiver`` from ``workload``'s calibration split
     (see the module docstring); artifacts are cached, so a second call only checks them. An existing certificate
     that no longer matches (another mapper, another label set) is moved aside, never overwritten."""
-    from cachecert_agents.artifacts import artifact_paths
-    from cachecert_agents.cert.certificate import Certificate, build_certificate, file_fingerprint
+    from cachecert_agents.artifacts import keep_aside
+    from cachecert_agents.cert.certificate import Certificate, build_certificate
     from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.errors import CertificateError
     from cachecert_agents.eval.cert_eval import labelled_requests
@@ -130,12 +130,15 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
                          f"mapper's {offset}; use fewer mapper contexts")
     evaluate_transfer(sender, receiver, workload, mapper, [split], n_labels, labels_dir,
                       scorer=build_scorer(sender, receiver, workload, mapper), controls=False, subset="calibration",
-                      offset=offset)
-    labelled = labelled_requests(labels_dir, sender.name, receiver.name, workload.name)[method]
+                      offset=offset, require_mapper=True)
+    # only this mapper's labels, on the examples it was not fitted on (earlier runs may have left others)
+    labelled = labelled_requests(labels_dir, sender.name, receiver.name, workload.name,
+                                 mapper_fingerprint=mapper.fingerprint,
+                                 ids=[e.id for e in workload.examples("calibration")[offset:]])[method]
     stem = mapper_stem(sender.name, receiver.name, workload.name)
     header = pair_header(sender, receiver)
     fps = pair_fingerprints(header)
-    mapper_fp = file_fingerprint(artifact_paths(stem)[0])
+    mapper_fp = mapper.fingerprint
     cert_path = (cert_dir or cache_home() / "certificates") / (
         f"{artifact_stem(sender.name, receiver.name, workload.name)}__{method}__{score}__a{alpha:g}.json")
     cert = build_certificate(labelled.ids, labelled.scores[score], labelled.unsafe, alpha=alpha, delta=None,
@@ -152,9 +155,7 @@ def prepare_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload
         except CertificateError as exc:
             logger.info("existing certificate %s is stale (%s)", cert_path, exc)
         if cert is not None:
-            aside = cert_path.with_name(cert_path.name + f".replaced-{int(time.time())}")
-            cert_path.rename(aside)
-            logger.warning("moved the stale certificate %s aside to %s", cert_path, aside)
+            keep_aside(cert_path)
     if cert is not None:
         cert.save(cert_path)
         logger.info("certificate %s: %s", cert_path, cert.threshold)

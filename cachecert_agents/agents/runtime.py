@@ -31,9 +31,10 @@ import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from cachecert_agents.agents.store import (
     CachedContext,
@@ -44,6 +45,7 @@ from cachecert_agents.agents.store import (
 from cachecert_agents.cert.audit import AuditLog, AuditMonitor
 from cachecert_agents.cert.certificate import Certificate, file_fingerprint
 from cachecert_agents.cert.scores import RiskScorer
+from cachecert_agents.errors import CertificateError
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class RouteConfig(BaseModel):
     statistics: str | None = None
     audit_probability: float | None = Field(default=None, ge=0, le=1)
 
+    @field_validator("mapper", "certificate", "statistics")
+    @classmethod
+    def _expand_user(cls, path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser())
+
 
 class RuntimeConfig(BaseModel):
     """Configuration of a :class:`CacheCertRuntime`."""
@@ -75,6 +82,11 @@ class RuntimeConfig(BaseModel):
     max_new_tokens: int = Field(default=96, gt=0)
     device: str = "cpu"
     seed: int = 0
+
+    @field_validator("store_dir", "audit_log")
+    @classmethod
+    def _expand_user(cls, path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser())
 
 
 @dataclass
@@ -148,7 +160,7 @@ class CacheCertRuntime:
     def __init__(self, config: RuntimeConfig | None = None, models: dict[str, ModelHandle] | None = None):
         self.config = config or RuntimeConfig()
         self.store = KVCacheStore(self.config.store_max_bytes, self.config.store_dir,
-                                  self.config.store_dir_max_bytes)
+                                  self.config.store_dir_max_bytes, device=self.config.device)
         self.metrics = Metrics()
         self.decisions: list[Decision] = []
         self._models: dict[str, ModelHandle] = dict(models or {})
@@ -162,7 +174,7 @@ class CacheCertRuntime:
         self.monitor = AuditMonitor(self.audit_log, self.config.audit_confidence) if self.audit_log else None
         self._audit_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cachecert-audit")
                             if self.audit_log and self.config.audit_in_background else None)
-        self._audit_futures: list[concurrent.futures.Future] = []
+        self._audit_futures: list[concurrent.futures.Future] = []  # guarded by self._lock
 
     # ------------------------------------------------------------------ models and routes
     def model(self, name: str) -> ModelHandle:
@@ -177,11 +189,13 @@ class CacheCertRuntime:
             return self._model_locks.setdefault(name, threading.RLock())
 
     def add_route(self, route: RouteConfig) -> None:
-        """Register (or replace) a route; it is loaded and checked on first use. Clears an audit flag."""
+        """Register (or replace) a route; it is loaded and checked on first use. A route with another
+        certificate (a recalibration) clears the pair's audit flag; re-adding the same one does not."""
         with self._lock:
+            old = self._route_configs.get((route.sender, route.receiver))
             self._route_configs[(route.sender, route.receiver)] = route
             self._routes.pop((route.sender, route.receiver), None)
-        if self.monitor is not None:
+        if self.monitor is not None and (old is None or old.certificate != route.certificate):
             self.monitor.clear(route.sender, route.receiver)
 
     def senders_for(self, model: str) -> bool:
@@ -207,19 +221,21 @@ class CacheCertRuntime:
 
     def _load_route(self, cfg: RouteConfig) -> Route:
         from cachecert_agents.artifacts import artifact_paths
-        from cachecert_agents.eval.transfer_eval import parse_method
+        from cachecert_agents.eval.transfer_eval import load_mapper_statistics, parse_method
         from cachecert_agents.eval.workloads import get_workload
         from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
         from cachecert_agents.transfer.mappers import RidgeMapper
-        from cachecert_agents.transfer.statistics import PairStatistics
 
         sender, receiver = self.model(cfg.sender), self.model(cfg.receiver)
         header = pair_header(sender, receiver)
         fps = pair_fingerprints(header)
         mapper = RidgeMapper.load(cfg.mapper, expect=fps)
-        stats = PairStatistics.load(cfg.statistics or f"{cfg.mapper}.stats", expect=fps)
+        stats = load_mapper_statistics(mapper, cfg.statistics or f"{cfg.mapper}.stats", expect=fps)
         cert = Certificate.load(cfg.certificate)
-        cert.check_for(fps, file_fingerprint(artifact_paths(cfg.mapper)[0]))
+        if (cert.sender, cert.receiver) != (cfg.sender, cfg.receiver):
+            raise CertificateError(f"certificate {cfg.certificate} is for {cert.sender}->{cert.receiver}, not "
+                                   f"{cfg.sender}->{cfg.receiver}")
+        cert.check_for(fps, mapper.fingerprint or file_fingerprint(artifact_paths(cfg.mapper)[0]))
         for split in {cert.split, cert.score_split}:
             if split < receiver.geometry.num_layers and f"hidden:{split}" not in mapper.weights:
                 raise ValueError(f"certificate is for split {split} but the mapper has no hidden:{split} target")
@@ -239,6 +255,10 @@ class CacheCertRuntime:
         context's cache (see the module docstring). Returns the text and the decision."""
         if not isinstance(context, str) or not isinstance(instruction, str):
             raise TypeError("context and instruction must be strings")
+        if isinstance(stop_strings, str):
+            raise TypeError(f"stop_strings must be a sequence of strings, e.g. ({stop_strings!r},), not a string")
+        if max_new_tokens is not None and max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         t0 = time.perf_counter()
         handle = self.model(model)
         gen_kw = {"max_new_tokens": max_new_tokens or self.config.max_new_tokens, "stop_strings": tuple(stop_strings)}
@@ -249,9 +269,17 @@ class CacheCertRuntime:
         with self._model_lock(model):
             entry = self.store.get(key)
             if entry is not None:
-                text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
-                decision = Decision(node, model, "reuse", "exact cache of this context held by the same model",
-                                    n_ctx, prefill_tokens_avoided=n_ctx)
+                try:
+                    text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
+                    decision = Decision(node, model, "reuse", "exact cache of this context held by the same model",
+                                        n_ctx, prefill_tokens_avoided=n_ctx)
+                except Exception as exc:  # fail safe: a held cache that cannot be used means a prefill
+                    logger.warning("reusing the held cache of %s failed, dropping it and prefilling: %r", model, exc)
+                    with self._lock:
+                        self.metrics.errors += 1
+                    self.store.discard(key)
+                    text, decision = self._prefill(handle, prompt, key, tkey, node, gen_kw,
+                                                   f"reusing the held cache failed: {exc!r}")
             else:
                 served = self._try_transfer(handle, prompt, tkey, node, gen_kw)
                 if served is not None and served[0] is not None:
@@ -341,7 +369,10 @@ class CacheCertRuntime:
                                 f"certified transfer from {holder.model} ({cert.method}, {cert.control.upper()} "
                                 f"alpha={cert.alpha:g})", int(prompt.context_ids.numel()),
                                 prefill_tokens_avoided=avoided, **base)
-            decision.audited = self._maybe_audit(route, handle, prompt, text, decision, gen_kw)
+            try:
+                decision.audited = self._maybe_audit(route, handle, prompt, text, decision, gen_kw)
+            except Exception:  # an audit must never break serving (e.g. scheduled after close())
+                logger.exception("could not schedule the audit of %s->%s", holder.model, handle.name)
             return text, decision
         return None, "; ".join(reasons)
 
@@ -364,7 +395,9 @@ class CacheCertRuntime:
             self.metrics.audits_scheduled += 1
         job = (route, handle, prompt, served, decision, gen_kw)
         if self._audit_pool is not None:
-            self._audit_futures.append(self._audit_pool.submit(self._audit, *job))
+            future = self._audit_pool.submit(self._audit, *job)
+            with self._lock:
+                self._audit_futures.append(future)
         else:
             self._audit(*job)
         return True
@@ -392,7 +425,8 @@ class CacheCertRuntime:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for scheduled background audits and store writes to finish."""
-        futures, self._audit_futures = self._audit_futures, []
+        with self._lock:
+            futures, self._audit_futures = self._audit_futures, []
         concurrent.futures.wait(futures, timeout=timeout)
         self.store.flush(timeout)
 

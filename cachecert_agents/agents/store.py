@@ -141,7 +141,7 @@ class KVCacheStore:
     """LRU store of :class:`CachedContext` under a byte bound (see the module docstring)."""
 
     def __init__(self, max_bytes: int = 2 << 30, persist_dir: str | Path | None = None,
-                 persist_max_bytes: int = 8 << 30):
+                 persist_max_bytes: int = 8 << 30, device: str | None = None):
         if max_bytes <= 0 or persist_max_bytes <= 0:
             raise ValueError(f"store bounds must be positive, got {max_bytes} and {persist_max_bytes}")
         self.max_bytes = int(max_bytes)
@@ -156,6 +156,7 @@ class KVCacheStore:
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         self.loaded_from_disk = 0
+        self.device = device  # where caches read back from disk are placed (the models' device)
         if self.persist_dir is not None:
             self.persist_dir.mkdir(parents=True, exist_ok=True)
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cachecert-store")
@@ -226,6 +227,14 @@ class KVCacheStore:
         self._entries[entry.key] = entry
         self._sizes[entry.key] = size
 
+    def discard(self, key: str) -> None:
+        """Forget one entry (memory tier and disk index; a persisted file stays until a new entry of that key
+        replaces it), e.g. one that failed to serve."""
+        with self._lock:
+            self._entries.pop(key, None)
+            self._sizes.pop(key, None)
+            self._disk.pop(key, None)
+
     def clear(self) -> None:
         """Empty the memory tier (persisted files stay)."""
         with self._lock:
@@ -257,12 +266,12 @@ class KVCacheStore:
         if header is None or header.get("pending"):
             return None
         try:
-            entry = load_cached_context(self._stem(key))
+            entry = load_cached_context(self._stem(key), device=self.device)
+            os.utime(artifact_paths(self._stem(key))[0])  # most recently used on disk too
         except Exception as exc:  # fail safe: a corrupt file means a prefill, said once, the file left alone
             logger.warning("cannot read persisted cache %s (%s); it is ignored", self._stem(key), exc)
             del self._disk[key]
             return None
-        os.utime(artifact_paths(self._stem(key))[0])  # most recently used on disk too
         self.loaded_from_disk += 1
         size = entry.nbytes
         if size <= self.max_bytes:

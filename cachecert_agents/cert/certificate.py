@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -25,25 +26,19 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from cachecert_agents import __version__
+from cachecert_agents.artifacts import OPTIONAL_IDENTITY_KEYS, file_fingerprint  # noqa: F401 (re-exported)
 from cachecert_agents.cert.conformal import certify as fit_threshold
 from cachecert_agents.errors import CertificateError
 
 FORMAT = "cachecert-certificate/1"
+
+logger = logging.getLogger(__name__)
 
 
 def calibration_fingerprint(ids: list[str], scores: np.ndarray, unsafe: np.ndarray) -> str:
     """sha256 (16 hex) of the sorted ``(id, score, label)`` triples the threshold was fitted on."""
     rows = sorted(f"{i}\t{s:.9g}\t{int(u)}" for i, s, u in zip(ids, scores, unsafe))
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
-
-
-def file_fingerprint(path: str | Path) -> str:
-    """sha256 (16 hex) of a file's bytes (e.g. a mapper's safetensors)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 class Certificate(BaseModel):
@@ -91,6 +86,11 @@ class Certificate(BaseModel):
                   method: str | None = None) -> None:
         """Raise :class:`CertificateError` unless this certificate belongs to that pair, mapper and method."""
         for k, v in pair_fingerprints.items():
+            if k in OPTIONAL_IDENTITY_KEYS and k not in self.pair_fingerprints:
+                logger.warning("certificate for %s->%s records no %s (built by an earlier version): the models' "
+                               "weights are not checked; run `cachecert certify` again to check them",
+                               self.sender, self.receiver, k)
+                continue
             if self.pair_fingerprints.get(k) != v:
                 raise CertificateError(f"certificate for {self.sender}->{self.receiver} has {k}="
                                        f"{self.pair_fingerprints.get(k)!r}; this pair has {v!r}")

@@ -23,9 +23,11 @@ one (``ridge-kv``, mapping only) run first: the screen's transfer, suffix pass a
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -35,6 +37,8 @@ from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.transfer_eval import full_reference_path, parse_method, records_path
 from cachecert_agents.eval.workloads import Agreement
 from cachecert_agents.jsonl import read_jsonl
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,19 +83,31 @@ def pool_key(row: dict) -> tuple[str, str, str, str]:
 
 
 def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: str,
-                      agreement: str | Agreement | None = None) -> dict[str, LabelledRequests]:
+                      agreement: str | Agreement | None = None, mapper_fingerprint: str | None = None,
+                      ids: Iterable[str] | None = None) -> dict[str, LabelledRequests]:
     """Every method's labelled requests in ``<results_dir>/<sender>__<receiver>__<workload>.jsonl`` (records
     without risk scores, e.g. controls or runs with ``--no-scores``, or with scores of another definition
     version, are skipped). The last record per (id, method) wins.
+
+    ``mapper_fingerprint``: keep only the records labelled with that mapper (``mapper_sha256``; what a
+    certificate for that mapper may be calibrated on; records from before it was recorded carry none and are
+    skipped). ``ids``: keep only those examples.
 
     ``agreement`` (None: the label recorded under the workload's own criterion) relabels every request by that
     criterion between its recorded answer and the receiver's full-prefill answer cached beside the records; a
     request whose full-prefill answer is missing raises :class:`CacheCertError`."""
     path = records_path(results_dir, sender, receiver, workload)
     latest: dict[tuple[str, str], dict] = {}
+    wanted = None if ids is None else set(ids)
+    other_mapper = 0
     for rec in read_jsonl(path):
-        if "risk" in rec and "agree" in rec and scores_are_current(rec):
+        if "risk" in rec and "agree" in rec and scores_are_current(rec) and (wanted is None or rec["id"] in wanted):
+            if mapper_fingerprint is not None and rec.get("mapper_sha256") != mapper_fingerprint:
+                other_mapper += 1
+                continue
             latest[(rec["id"], rec["method"])] = rec
+    if other_mapper:
+        logger.info("%s: skipped %d labelled records not made with mapper %s", path, other_mapper, mapper_fingerprint)
     criterion = None if agreement is None else Agreement.parse(agreement)
     if criterion is not None:
         full_path = full_reference_path(Path(results_dir), receiver, workload)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
-from cachecert_agents.artifacts import artifact_paths
+from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, keep_artifact_aside
 from cachecert_agents.cert.scores import RiskScorer, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import ratio_interval
@@ -136,7 +136,8 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
         if wanted <= set(mapper.header["targets"]) and mapper.header.get("n_calibration_contexts") == n_contexts:
             logger.info("using mapper %s", stem)
             return mapper
-        logger.info("mapper %s lacks splits or calibration size asked for; recalibrating", stem)
+        logger.info("mapper %s lacks splits or calibration size asked for; recalibrating (the earlier one is "
+                    "kept aside)", stem)
     cal = workload.examples("calibration")
     if len(cal) < n_contexts + n_heldout:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
@@ -145,12 +146,15 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
                                hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor,
                                kv_until=kv_until)
+    keep_artifact_aside(f"{stem}.stats")
     stats.save(f"{stem}.stats")
     heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
                                                     cal[n_contexts:n_contexts + n_heldout]],
                                  hidden_splits, header, total=n_heldout, hidden_width=hidden_width, anchor=anchor,
                                  kv_until=kv_until)
     mapper = RidgeMapper.fit(stats, heldout)
+    mapper.header["statistics_sha256"] = artifact_fingerprint(f"{stem}.stats")  # the risk scorer's statistics
+    keep_artifact_aside(stem)
     mapper.save(stem)
     logger.info("saved mapper %s", stem)
     return mapper
@@ -165,8 +169,24 @@ def build_scorer(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
                              "with --no-scores")
     stem = mapper_stem(sender.name, receiver.name, workload.name, out_dir, mapper.header.get("hidden_width"))
     expect = pair_fingerprints(mapper.header)
-    stats = PairStatistics.load(f"{stem}.stats", expect=expect)
+    stats = load_mapper_statistics(mapper, f"{stem}.stats", expect)
     return RiskScorer.from_statistics(receiver, mapper, stats)
+
+
+def load_mapper_statistics(mapper: RidgeMapper, stem: str | Path, expect: dict | None = None) -> PairStatistics:
+    """The statistics a mapper was fitted from (what its risk scores read), refused when they are not the ones
+    its header names (``statistics_sha256``; e.g. a calibration interrupted between saving the statistics and
+    the mapper). Mappers built before the name was recorded are matched by token count only."""
+    stats = PairStatistics.load(stem, expect=expect)
+    recorded = mapper.header.get("statistics_sha256")
+    found = artifact_fingerprint(stem)
+    if recorded is not None and recorded != found:
+        raise CacheCertError(f"statistics {stem} ({found}) are not the ones mapper {mapper.fingerprint} was fitted "
+                             f"from ({recorded}); recalibrate with `cachecert calibrate`")
+    if recorded is None and stats.n_tokens != mapper.header.get("fit_tokens", stats.n_tokens):
+        raise CacheCertError(f"statistics {stem} hold {stats.n_tokens} tokens, but the mapper was fitted on "
+                             f"{mapper.header['fit_tokens']}; recalibrate with `cachecert calibrate`")
+    return stats
 
 
 def full_reference_path(results_dir: Path, receiver: str, workload: str) -> Path:
@@ -198,7 +218,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
                       offset: int = 0, recompute: tuple[int, ...] = (), transfers: bool = True,
-                      recompute_splits: list[int] | None = None) -> tuple[list[dict], list[dict]]:
+                      recompute_splits: list[int] | None = None, require_mapper: bool = False
+                      ) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -211,7 +232,9 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     repaired by query-aware selective recompute of that share of the context (``...+rP``), for the splits in
     ``recompute_splits`` (default: see :func:`method_variants`).
     ``transfers=False`` runs the controls only (e.g. to add ``pruned-context@P`` to a finished run while another
-    process runs the transfers)."""
+    process runs the transfers). Each transfer record names the mapper it used (``mapper_sha256``);
+    ``require_mapper`` counts a transfer as done only when it was made with this ``mapper`` (labels for a
+    certificate of this mapper; by default any record resumes, e.g. one made by an identical recalibration)."""
     L = receiver.geometry.num_layers
     width, anchor = mapper.header.get("hidden_width"), mapper.anchor
     if recompute and anchor is not None:
@@ -220,8 +243,9 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
     done = {(r["id"], r["method"]) for r in read_jsonl(path)
-            if scorer is None or "split" not in r or r.get("method") == "random-map"
-            or scores_are_current(r)}
+            if "split" not in r or r.get("method") == "random-map"
+            or ((scorer is None or scores_are_current(r))
+                and (not require_mapper or r.get("mapper_sha256") == mapper.fingerprint))}
     full_done = {r["id"]: r for r in read_jsonl(full_path)}
     examples = workload.examples(subset)[offset:offset + n]
     prefix_cache = None
@@ -286,7 +310,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             if pct:
                 extra["recomputed_tokens"] = result.recomputed
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
-                   alignment=result.coverage, **extra)
+                   alignment=result.coverage, mapper_sha256=mapper.fingerprint, **extra)
         if controls and (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split
             feats = feats or sender_features(sender, s_prompt)
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from cachecert_agents.artifacts import OPTIONAL_IDENTITY_KEYS
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.transfer.features import (ReceiverTargets, alignment_for, receiver_targets, rms_normalise,
                                                  sender_features)
@@ -17,12 +18,15 @@ logger = logging.getLogger(__name__)
 
 
 def pair_header(sender: ModelHandle, receiver: ModelHandle, **extra: object) -> dict:
-    """The identity of a pair, recorded in (and checked against) every artifact built for it."""
+    """The identity of a pair, recorded in (and checked against) every artifact built for it: names, cache
+    geometries, tokenizers and weights (:attr:`ModelHandle.weights_fingerprint`, so an artifact built for one
+    model is refused for a fine-tune or another quantisation of the same architecture and tokenizer)."""
     return {
         "sender": sender.name, "receiver": receiver.name,
         "sender_kv": sender.geometry.kv_fingerprint(), "receiver_kv": receiver.geometry.kv_fingerprint(),
         "sender_tokenizer": sender.geometry.tokenizer_fingerprint,
         "receiver_tokenizer": receiver.geometry.tokenizer_fingerprint,
+        "sender_weights": sender.weights_fingerprint, "receiver_weights": receiver.weights_fingerprint,
         **extra,
     }
 
@@ -31,8 +35,12 @@ FINGERPRINT_KEYS = ("sender_kv", "receiver_kv", "sender_tokenizer", "receiver_to
 
 
 def pair_fingerprints(header: dict) -> dict:
-    """The fingerprint entries of a pair header (what an artifact must match to be used for that pair)."""
-    return {k: header[k] for k in FINGERPRINT_KEYS}
+    """The fingerprint entries of a pair header (what an artifact must match to be used for that pair): the
+    :data:`FINGERPRINT_KEYS` and, where the header records them, the weights
+    (:data:`~cachecert_agents.artifacts.OPTIONAL_IDENTITY_KEYS`; artifacts built before they were recorded lack
+    them)."""
+    return ({k: header[k] for k in FINGERPRINT_KEYS}
+            | {k: header[k] for k in OPTIONAL_IDENTITY_KEYS if k in header})
 
 
 def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Iterable[tuple[str, str]],

@@ -11,13 +11,14 @@ another pair raises ``GeometryMismatchError``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from cachecert_agents import __version__
-from cachecert_agents.artifacts import load_artifact, save_artifact
+from cachecert_agents.artifacts import artifact_paths, file_fingerprint, load_artifact, save_artifact
 from cachecert_agents.transfer.statistics import PairStatistics
 
 FORMAT = "cachecert-ridge-mapper/1"
@@ -58,7 +59,7 @@ class RidgeMapper:
     def fit(cls, stats: PairStatistics, heldout: PairStatistics | None = None, rho: float | None = None,
             targets: list[str] | None = None) -> "RidgeMapper":
         """Fit every target (or ``targets``); choose ``rho`` per target on ``heldout`` unless given."""
-        header = {k: v for k, v in stats.header.items() if k not in ("targets", "format")}
+        header = {k: v for k, v in stats.header.items() if k not in ("targets", "format", "tensors_sha256")}
         header.update(format=FORMAT, version=__version__, fit_tokens=stats.n_tokens, targets={})
         mapper = cls(header)
         for name in targets or list(stats.targets):
@@ -83,12 +84,18 @@ class RidgeMapper:
         """A control: same shapes, biases and per-target weight norms, but Gaussian random weights. Its outputs
         have the right mean and scale and carry no information about the context."""
         gen = torch.Generator().manual_seed(seed)
-        out = RidgeMapper(dict(self.header, control="random-map"))
+        out = RidgeMapper(dict(self.header, control="random-map", tensors_sha256=None))
         for name, w in self.weights.items():
             r = torch.randn(w.shape, generator=gen)
             out.weights[name] = r * (w.norm() / r.norm())
             out.biases[name] = self.biases[name].clone()
         return out
+
+    @property
+    def fingerprint(self) -> str | None:
+        """sha256 (16 hex) of the saved tensor file this mapper was loaded from or saved to (what certificates and
+        labelled records name it by); None for a mapper never saved."""
+        return self.header.get("tensors_sha256")
 
     def sender_layers(self, name: str) -> list[int]:
         return self.header["targets"][name]["sender_layers"]
@@ -109,12 +116,16 @@ class RidgeMapper:
         tensors = {}
         for name in self.weights:
             tensors[f"{name}/W"], tensors[f"{name}/b"] = self.weights[name], self.biases[name]
-        return save_artifact(path, tensors, self.header)
+        st = save_artifact(path, tensors, self.header)
+        self.header["tensors_sha256"] = json.loads(artifact_paths(path)[1].read_text())["tensors_sha256"]
+        return st
 
     @classmethod
     def load(cls, path: str | Path, expect: dict | None = None) -> "RidgeMapper":
         """Load a mapper; ``expect`` (pair fingerprints) must match its header."""
         header, tensors = load_artifact(path, FORMAT, expect, "mapper")
+        if not header.get("tensors_sha256"):  # saved before the header recorded it
+            header["tensors_sha256"] = file_fingerprint(artifact_paths(path)[0])
         mapper = cls(header)
         for name in header["targets"]:
             mapper.weights[name], mapper.biases[name] = tensors[f"{name}/W"], tensors[f"{name}/b"]
