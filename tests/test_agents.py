@@ -336,6 +336,29 @@ def test_audits_flag_a_failing_pair_and_it_falls_back(pair, artifacts, tmp_path,
     assert pair_row["above_alpha"] and pair_row["silent_failures"] == pair_row["audited"] >= 2
 
 
+def test_audit_flags_belong_to_a_certificate_across_restarts(pair, artifacts, tmp_path):
+    """A restarted runtime keeps the flag of the certificate that earned it, and a recalibrated pair (another
+    certificate) starts afresh: old failures neither block it nor are diluted by its clean audits."""
+    failing = artifacts("failing.json", alpha=0.05)
+    runtime = make_runtime(pair, tmp_path, failing, audit_probability=1.0)
+    runtime.route("tiny-s", "tiny-r").agree = lambda served, full: False
+    for i in range(12):
+        runtime.generate("tiny-s", CONTEXT + f" item {i}", "outline")
+        runtime.generate("tiny-r", CONTEXT + f" item {i}", "write")
+    assert runtime.summary()["flagged_pairs"] == ["tiny-s->tiny-r"]
+    records = AuditLog(tmp_path / "audit.jsonl").records()
+    assert {r["certificate_id"] for r in records} == {Certificate.load(failing).identity}
+
+    def first_action(cert):
+        restarted = make_runtime(pair, tmp_path, cert)  # the same audit log
+        restarted.generate("tiny-s", CONTEXT + " again", "outline")
+        return restarted.generate("tiny-r", CONTEXT + " again", "write")[1]
+
+    again = first_action(failing)
+    assert again.action == "prefill" and "flagged by audits" in again.reason
+    assert first_action(artifacts("recalibrated.json", alpha=0.06)).action == "transfer"
+
+
 def test_audits_judge_by_the_certificates_agreement_criterion(pair, artifacts, tmp_path):
     """A certificate calibrated on labels of another criterion is audited by that criterion, not the workload's."""
     own = make_runtime(pair, tmp_path, artifacts("own.json")).route("tiny-s", "tiny-r")

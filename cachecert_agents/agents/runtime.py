@@ -315,12 +315,13 @@ class CacheCertRuntime:
             return None
         reasons = []
         for holder in holders:
-            if self.monitor is not None and self.monitor.is_flagged(holder.model, handle.name):
-                reasons.append(f"pair {holder.model}->{handle.name} flagged by audits (needs recalibration)")
-                continue
             route = self.route(holder.model, handle.name)
             if route is None:
                 reasons.append(f"no certified route {holder.model}->{handle.name}")
+                continue
+            if self.monitor is not None and self.monitor.is_flagged(holder.model, handle.name,
+                                                                    route.certificate.identity):
+                reasons.append(f"pair {holder.model}->{handle.name} flagged by audits (needs recalibration)")
                 continue
             loaded_id = self.model(holder.model).identity
             if holder.model_id and holder.model_id != loaded_id:
@@ -413,7 +414,8 @@ class CacheCertRuntime:
             record = {"time": time.time(), "node": decision.node, "sender": decision.sender,
                       "receiver": handle.name, "method": route.certificate.method,
                       "score_name": decision.score_name, "score": decision.score, "lambda": route.certificate.threshold,
-                      "alpha": route.certificate.alpha, "certificate": route.config.certificate, "agree": agree,
+                      "alpha": route.certificate.alpha, "certificate": route.config.certificate,
+                      "certificate_id": route.certificate.identity, "agree": agree,
                       "unsafe": not agree, "served_answer": served, "full_answer": full,
                       "served_s": decision.step_s, "full_s": full_s}
             self.monitor.record(record)

@@ -134,51 +134,70 @@ class AuditLog:
 
 
 class AuditMonitor:
-    """Flags a pair when its audited silent-failure rate is above alpha with the given confidence (the
-    Clopper-Pearson lower bound exceeds alpha). Flagged pairs are served by full prefill until recalibrated (a new
-    certificate clears the flag: :meth:`clear`)."""
+    """Flags a certificate when its audited silent-failure rate is above alpha with the given confidence (the
+    Clopper-Pearson lower bound exceeds alpha). Audits are counted per pair *and certificate* (records name it by
+    ``certificate_id``, :attr:`Certificate.identity`), so a recalibrated pair starts afresh and old clean audits
+    never dilute a new certificate's failures; records written before the field existed count for the pair
+    whatever its certificate (the cautious reading). A flagged pair is served by full prefill until recalibrated
+    (a new certificate, or :meth:`clear`)."""
 
     def __init__(self, log: AuditLog, confidence: float = 0.95):
         self.log, self.confidence = log, confidence
-        self._counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-        self.flagged: set[tuple[str, str]] = set()
+        self._counts: dict[tuple[str, str, str | None], list[int]] = defaultdict(lambda: [0, 0])
+        self._flagged: set[tuple[str, str, str | None]] = set()
         self._lock = threading.Lock()
-        alphas: dict[tuple[str, str], float] = {}
+        alphas: dict[tuple[str, str, str | None], float] = {}
         for r in log.records():  # a restarted process remembers what earlier runs audited
-            pair = (r["sender"], r["receiver"])
-            self._counts[pair][0] += bool(r["unsafe"])
-            self._counts[pair][1] += 1
-            alphas[pair] = r["alpha"]
-        for pair, (k, n) in self._counts.items():
-            if clopper_pearson_interval(k, n, confidence)[0] > alphas[pair]:
-                self.flagged.add(pair)
-                logger.warning("audit log %s: %s->%s has %d silent failures in %d audits, above alpha=%g; its "
-                               "transfers fall back to prefill until it is recalibrated", log.path, *pair, k, n,
-                               alphas[pair])
+            try:
+                key = (r["sender"], r["receiver"], r.get("certificate_id"))
+                self._counts[key][0] += bool(r["unsafe"])
+                self._counts[key][1] += 1
+                alphas[key] = float(r["alpha"])
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed record is skipped, said once each
+                logger.warning("audit log %s: skipping a record without sender/receiver/unsafe/alpha (%r)",
+                               log.path, exc)
+        for key, (k, n) in self._counts.items():
+            if clopper_pearson_interval(k, n, confidence)[0] > alphas[key]:
+                self._flagged.add(key)
+                logger.warning("audit log %s: %s->%s (certificate %s) has %d silent failures in %d audits, above "
+                               "alpha=%g; its transfers fall back to prefill until it is recalibrated", log.path,
+                               key[0], key[1], key[2] or "not recorded", k, n, alphas[key])
+
+    @property
+    def flagged(self) -> set[tuple[str, str]]:
+        """The flagged ``(sender, receiver)`` pairs."""
+        with self._lock:
+            return {(s, r) for s, r, _ in self._flagged}
 
     def record(self, record: dict[str, Any]) -> bool:
-        """Append ``record`` to the log and update the pair's rate; returns True when the pair is (now) flagged."""
+        """Append ``record`` to the log and update its certificate's rate; returns True when it is (now)
+        flagged."""
         self.log.append(record)
-        pair = (record["sender"], record["receiver"])
+        key = (record["sender"], record["receiver"], record.get("certificate_id"))
         with self._lock:
-            counts = self._counts[pair]
+            counts = self._counts[key]
             counts[0] += bool(record["unsafe"])
             counts[1] += 1
             lo, hi = clopper_pearson_interval(counts[0], counts[1], self.confidence)
-            if lo > record["alpha"] and pair not in self.flagged:
-                self.flagged.add(pair)
+            if lo > record["alpha"] and key not in self._flagged:
+                self._flagged.add(key)
                 logger.warning("audits of %s->%s: %d silent failures in %d (rate %.3f, %.0f%% interval %.3f-%.3f) "
                                "exceed alpha=%g; transfers for this pair fall back to prefill until it is "
-                               "recalibrated (`cachecert certify`)", *pair, counts[0], counts[1],
+                               "recalibrated (`cachecert certify`)", key[0], key[1], counts[0], counts[1],
                                counts[0] / counts[1], 100 * self.confidence, lo, hi, record["alpha"])
-            return pair in self.flagged
+            return key in self._flagged
 
-    def is_flagged(self, sender: str, receiver: str) -> bool:
+    def is_flagged(self, sender: str, receiver: str, certificate_id: str | None = None) -> bool:
+        """Whether the pair is out of service: its certificate ``certificate_id`` (None: any of them) is flagged,
+        or audits that named no certificate are."""
         with self._lock:
-            return (sender, receiver) in self.flagged
+            if certificate_id is None:
+                return any((s, r) == (sender, receiver) for s, r, _ in self._flagged)
+            return bool({(sender, receiver, certificate_id), (sender, receiver, None)} & self._flagged)
 
     def clear(self, sender: str, receiver: str) -> None:
         """Return a recalibrated pair to service; its earlier audit counts are forgotten (the log keeps them)."""
         with self._lock:
-            self.flagged.discard((sender, receiver))
-            self._counts.pop((sender, receiver), None)
+            for key in [k for k in self._counts if k[:2] == (sender, receiver)]:
+                self._counts.pop(key)
+            self._flagged = {k for k in self._flagged if k[:2] != (sender, receiver)}

@@ -75,6 +75,12 @@ class Certificate(BaseModel):
         return self.split if self.screen_split is None else self.screen_split
 
     @property
+    def identity(self) -> str:
+        """sha256 (16 hex) of the certificate's content: what audit records name it by, so audits of one
+        certificate never count against another of the same pair."""
+        return _checksum(self.model_dump())[:16]
+
+    @property
     def lam(self) -> float:
         return float(self.threshold)
 
