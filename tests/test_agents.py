@@ -348,6 +348,7 @@ def test_audit_flags_belong_to_a_certificate_across_restarts(pair, artifacts, tm
     assert runtime.summary()["flagged_pairs"] == ["tiny-s->tiny-r"]
     records = AuditLog(tmp_path / "audit.jsonl").records()
     assert {r["certificate_id"] for r in records} == {Certificate.load(failing).identity}
+    assert all(r["served_s"] > 0 for r in records)  # the served step's own time, even for synchronous audits
 
     def first_action(cert):
         restarted = make_runtime(pair, tmp_path, cert)  # the same audit log

@@ -265,7 +265,7 @@ class CacheCertRuntime:
         prompt = handle.format_prompt(context, instruction, system)
         n_ctx = int(prompt.context_ids.numel())
         key, tkey = token_key(handle.identity, prompt), text_key(context, system)
-        text, decision = None, None
+        text, decision, audit_route = None, None, None
         with self._model_lock(model):
             entry = self.store.get(key)
             if entry is not None:
@@ -283,11 +283,16 @@ class CacheCertRuntime:
             else:
                 served = self._try_transfer(handle, prompt, tkey, node, gen_kw)
                 if served is not None and served[0] is not None:
-                    text, decision = served
+                    text, decision, audit_route = served
                 else:
                     reason = served[1] if served is not None else "no other model holds this context for a route"
                     text, decision = self._prefill(handle, prompt, key, tkey, node, gen_kw, reason)
-        decision.step_s = time.perf_counter() - t0
+        decision.step_s = time.perf_counter() - t0  # what serving took; an audit's shadow prefill is not in it
+        if audit_route is not None:
+            try:
+                decision.audited = self._maybe_audit(audit_route, handle, prompt, text, decision, gen_kw)
+            except Exception:  # an audit must never break serving (e.g. scheduled after close())
+                logger.exception("could not schedule the audit of %s->%s", decision.sender, handle.name)
         self._count(decision)
         logger.info("%s[%s]: %s (%s)%s", node or "-", model, decision.action, decision.reason,
                     f", score {decision.score:.4g} vs lambda {decision.lam}" if decision.score is not None else "")
@@ -305,9 +310,10 @@ class CacheCertRuntime:
                               int(prompt.context_ids.numel()), prefill_s=prefill_s)
 
     def _try_transfer(self, handle: ModelHandle, prompt: PromptSegments, tkey: str, node: str | None,
-                      gen_kw: dict) -> tuple[str | None, Any] | None:
-        """Serve through a certified transfer if one applies: ``(text, decision)``; ``(None, reason)`` when a
-        holder existed but no transfer was served; None when no other model holds the context."""
+                      gen_kw: dict) -> tuple[Any, ...] | None:
+        """Serve through a certified transfer if one applies: ``(text, decision, route)`` (the caller schedules
+        the audit); ``(None, reason)`` when a holder existed but no transfer was served; None when no other model
+        holds the context."""
         from cachecert_agents.transfer.apply import transfer
 
         holders = self.store.holders(tkey, exclude_model=handle.name)
@@ -324,9 +330,9 @@ class CacheCertRuntime:
                 reasons.append(f"pair {holder.model}->{handle.name} flagged by audits (needs recalibration)")
                 continue
             loaded_id = self.model(holder.model).identity
-            if holder.model_id and holder.model_id != loaded_id:
+            if holder.model_id != loaded_id:  # "" (a cache persisted by an earlier version): weights unknown
                 reasons.append(f"the cache held for {holder.model} was computed by other weights "
-                               f"({holder.model_id}, loaded: {loaded_id})")
+                               f"({holder.model_id or 'not recorded'}, loaded: {loaded_id})")
                 continue
             cert = route.certificate
             if cert.lam == float("-inf"):
@@ -370,11 +376,7 @@ class CacheCertRuntime:
                                 f"certified transfer from {holder.model} ({cert.method}, {cert.control.upper()} "
                                 f"alpha={cert.alpha:g})", int(prompt.context_ids.numel()),
                                 prefill_tokens_avoided=avoided, **base)
-            try:
-                decision.audited = self._maybe_audit(route, handle, prompt, text, decision, gen_kw)
-            except Exception:  # an audit must never break serving (e.g. scheduled after close())
-                logger.exception("could not schedule the audit of %s->%s", holder.model, handle.name)
-            return text, decision
+            return text, decision, route
         return None, "; ".join(reasons)
 
     def _prefix_cache(self, handle: ModelHandle, prompt: PromptSegments) -> Any:
