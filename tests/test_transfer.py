@@ -1,5 +1,6 @@
 """Transfer engine: moments and ridge on synthetic data, artifacts, and transfers between tiny models."""
 
+import json
 import shutil
 
 import pytest
@@ -364,6 +365,13 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     (row,) = summarise(records, full)
     assert row["method"] == "split@2+a1" and row["n"] == 1
     assert all(r["mapper_sha256"] == mapper.fingerprint for r in records)  # each label names its mapper
+    assert [r["receiver_weights"] for r in full] == [receiver.weights_fingerprint]
+    # a cached full-prefill answer of other weights under the same name is not reused: it is computed again
+    full_path = tmp_path / "r" / "full" / "tiny-b__tiny.jsonl"
+    full_path.write_text(json.dumps(dict(full[0], receiver_weights="other", answer="stale")) + "\n")
+    _, full_again = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
+                                      progress=False, controls=False)
+    assert full_again[-1]["receiver_weights"] == receiver.weights_fingerprint
     # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
     build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4

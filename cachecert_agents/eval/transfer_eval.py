@@ -246,7 +246,9 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             if "split" not in r or r.get("method") == "random-map"
             or ((scorer is None or scores_are_current(r))
                 and (not require_mapper or r.get("mapper_sha256") == mapper.fingerprint))}
-    full_done = {r["id"]: r for r in read_jsonl(full_path)}
+    # full-prefill answers of these weights (records from before weights were recorded are taken as they are)
+    weights = receiver.weights_fingerprint
+    full_done = {r["id"]: r for r in read_jsonl(full_path) if r.get("receiver_weights", weights) == weights}
     examples = workload.examples(subset)[offset:offset + n]
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
@@ -270,7 +272,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         prefill_s = time.perf_counter() - t0
         if ex.id not in full_done:
             gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
-            rec = {"id": ex.id, "receiver": receiver.name, "workload": workload.name, "answer": gen.text,
+            rec = {"id": ex.id, "receiver": receiver.name, "receiver_weights": weights, "workload": workload.name,
+                   "answer": gen.text,
                    "score": workload.score(gen.text, ex.references), "prefill_s": prefill_s,
                    "context_tokens": int(r_prompt.context_ids.numel())}
             append_jsonl(full_path, rec)
