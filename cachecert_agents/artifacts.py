@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 
 from cachecert_agents.errors import GeometryMismatchError
 
@@ -25,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 #: identity entries an artifact built before they existed may lack: checked when recorded, warned about when not
 OPTIONAL_IDENTITY_KEYS = ("sender_weights", "receiver_weights")
+
+
+def bytes_fingerprint(data: bytes) -> str:
+    """sha256 (16 hex) of bytes."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def file_fingerprint(path: str | Path) -> str:
@@ -74,8 +80,9 @@ def save_artifact(stem: str | Path, tensors: dict[str, torch.Tensor], header: di
     st, js = artifact_paths(stem)
     st.parent.mkdir(parents=True, exist_ok=True)
     st_tmp, js_tmp = Path(f"{st}.{os.getpid()}.tmp"), Path(f"{js}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(st_tmp))
-    js_tmp.write_text(json.dumps(dict(header, tensors_sha256=file_fingerprint(st_tmp)), indent=1))
+    data = save_bytes({k: v.contiguous() for k, v in tensors.items()})
+    st_tmp.write_bytes(data)
+    js_tmp.write_text(json.dumps(dict(header, tensors_sha256=bytes_fingerprint(data)), indent=1))
     os.replace(st_tmp, st)
     os.replace(js_tmp, js)
     return st
@@ -89,22 +96,34 @@ def load_artifact(stem: str | Path, fmt: str, expect: dict | None = None, what: 
     if header.get("format") != fmt:
         raise ValueError(f"{js}: not a {fmt} file (format {header.get('format')!r})")
     check_header(header, expect, f"{what} {stem}")
-    recorded = header.get("tensors_sha256")
-    if recorded is not None and file_fingerprint(st) != recorded:
-        raise ValueError(f"{st} does not match its header {js} (tensors sha256 {file_fingerprint(st)}, header "
-                         f"records {recorded}): the pair was not written together; rebuild the {what}")
-    return header, load_file(str(st))
+    data = st.read_bytes()  # read once: hashed and parsed from the same bytes
+    recorded, found = header.get("tensors_sha256"), bytes_fingerprint(data)
+    if recorded is not None and found != recorded:
+        raise ValueError(f"{st} does not match its header {js} (tensors sha256 {found}, header records "
+                         f"{recorded}): the pair was not written together; rebuild the {what}")
+    return header, load_bytes(data)
 
 
 def check_header(header: dict, expect: dict | None, what: str) -> None:
     """Refuse an artifact whose recorded pair/fingerprints differ from ``expect`` (a clear, named error). An
     :data:`OPTIONAL_IDENTITY_KEYS` entry the artifact does not record (built by an earlier version) is warned
     about, not refused: its geometry and tokenizer fingerprints are still checked."""
+    mismatch = first_identity_mismatch(header, expect, what)
+    if mismatch is not None:
+        key, value = mismatch
+        raise GeometryMismatchError(f"{what} was built for {key}={header.get(key)!r}, but this use needs "
+                                    f"{key}={value!r}; rebuild it with `cachecert calibrate`")
+
+
+def first_identity_mismatch(recorded: dict, expect: dict | None, what: str) -> tuple[str, object] | None:
+    """The first ``(key, expected value)`` of ``expect`` that ``recorded`` contradicts, or None. An
+    :data:`OPTIONAL_IDENTITY_KEYS` entry ``recorded`` lacks is warned about (``what`` names the artifact) and
+    passes."""
     for key, value in (expect or {}).items():
-        if key in OPTIONAL_IDENTITY_KEYS and key not in header:
+        if key in OPTIONAL_IDENTITY_KEYS and key not in recorded:
             logger.warning("%s records no %s (built by an earlier version): the models' weights are not checked, "
                            "only their geometry and tokenizer; rebuild it to check them", what, key)
             continue
-        if header.get(key) != value:
-            raise GeometryMismatchError(f"{what} was built for {key}={header.get(key)!r}, but this use needs "
-                                        f"{key}={value!r}; rebuild it with `cachecert calibrate`")
+        if recorded.get(key) != value:
+            return key, value
+    return None

@@ -31,6 +31,7 @@ import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from cachecert_agents.agents.store import (
     token_key,
 )
 from cachecert_agents.cert.audit import AuditLog, AuditMonitor
-from cachecert_agents.cert.certificate import Certificate, file_fingerprint
+from cachecert_agents.cert.certificate import Certificate
 from cachecert_agents.cert.scores import RiskScorer
 from cachecert_agents.errors import CertificateError
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
@@ -149,6 +150,11 @@ class Route:
     served_recompute: float = 0.0
     score_recompute: float = 0.0
 
+    @cached_property
+    def certificate_id(self) -> str:
+        """:attr:`Certificate.identity`, hashed once (audits name the certificate by it on every request)."""
+        return self.certificate.identity
+
 
 class CacheCertRuntime:
     """Models, the shared cache store, routes, audits and metrics of one application (see module docstring).
@@ -220,7 +226,6 @@ class CacheCertRuntime:
             return route
 
     def _load_route(self, cfg: RouteConfig) -> Route:
-        from cachecert_agents.artifacts import artifact_paths
         from cachecert_agents.eval.transfer_eval import load_mapper_statistics, parse_method
         from cachecert_agents.eval.workloads import get_workload
         from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
@@ -235,7 +240,7 @@ class CacheCertRuntime:
         if (cert.sender, cert.receiver) != (cfg.sender, cfg.receiver):
             raise CertificateError(f"certificate {cfg.certificate} is for {cert.sender}->{cert.receiver}, not "
                                    f"{cfg.sender}->{cfg.receiver}")
-        cert.check_for(fps, mapper.fingerprint or file_fingerprint(artifact_paths(cfg.mapper)[0]))
+        cert.check_for(fps, mapper.fingerprint)  # RidgeMapper.load always knows its file's fingerprint
         for split in {cert.split, cert.score_split}:
             if split < receiver.geometry.num_layers and f"hidden:{split}" not in mapper.weights:
                 raise ValueError(f"certificate is for split {split} but the mapper has no hidden:{split} target")
@@ -326,7 +331,7 @@ class CacheCertRuntime:
                 reasons.append(f"no certified route {holder.model}->{handle.name}")
                 continue
             if self.monitor is not None and self.monitor.is_flagged(holder.model, handle.name,
-                                                                    route.certificate.identity):
+                                                                    route.certificate_id):
                 reasons.append(f"pair {holder.model}->{handle.name} flagged by audits (needs recalibration)")
                 continue
             loaded_id = self.model(holder.model).identity
@@ -417,7 +422,7 @@ class CacheCertRuntime:
                       "receiver": handle.name, "method": route.certificate.method,
                       "score_name": decision.score_name, "score": decision.score, "lambda": route.certificate.threshold,
                       "alpha": route.certificate.alpha, "certificate": route.config.certificate,
-                      "certificate_id": route.certificate.identity, "agree": agree,
+                      "certificate_id": route.certificate_id, "agree": agree,
                       "unsafe": not agree, "served_answer": served, "full_answer": full,
                       "served_s": decision.step_s, "full_s": full_s}
             self.monitor.record(record)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import logging
 import math
 import os
 from pathlib import Path
@@ -26,13 +25,11 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from cachecert_agents import __version__
-from cachecert_agents.artifacts import OPTIONAL_IDENTITY_KEYS, file_fingerprint  # noqa: F401 (re-exported)
+from cachecert_agents.artifacts import file_fingerprint, first_identity_mismatch  # noqa: F401 (re-exported)
 from cachecert_agents.cert.conformal import certify as fit_threshold
 from cachecert_agents.errors import CertificateError
 
 FORMAT = "cachecert-certificate/1"
-
-logger = logging.getLogger(__name__)
 
 
 def calibration_fingerprint(ids: list[str], scores: np.ndarray, unsafe: np.ndarray) -> str:
@@ -91,15 +88,12 @@ class Certificate(BaseModel):
     def check_for(self, pair_fingerprints: dict[str, str], mapper_fingerprint: str | None = None,
                   method: str | None = None) -> None:
         """Raise :class:`CertificateError` unless this certificate belongs to that pair, mapper and method."""
-        for k, v in pair_fingerprints.items():
-            if k in OPTIONAL_IDENTITY_KEYS and k not in self.pair_fingerprints:
-                logger.warning("certificate for %s->%s records no %s (built by an earlier version): the models' "
-                               "weights are not checked; run `cachecert certify` again to check them",
-                               self.sender, self.receiver, k)
-                continue
-            if self.pair_fingerprints.get(k) != v:
-                raise CertificateError(f"certificate for {self.sender}->{self.receiver} has {k}="
-                                       f"{self.pair_fingerprints.get(k)!r}; this pair has {v!r}")
+        mismatch = first_identity_mismatch(self.pair_fingerprints, pair_fingerprints,
+                                           f"certificate for {self.sender}->{self.receiver}")
+        if mismatch is not None:
+            k, v = mismatch
+            raise CertificateError(f"certificate for {self.sender}->{self.receiver} has {k}="
+                                   f"{self.pair_fingerprints.get(k)!r}; this pair has {v!r}")
         if mapper_fingerprint is not None and mapper_fingerprint != self.mapper_fingerprint:
             raise CertificateError(f"certificate was calibrated with mapper {self.mapper_fingerprint}, but the "
                                    f"mapper in use is {mapper_fingerprint}; run `cachecert certify` again")

@@ -179,7 +179,7 @@ def load_mapper_statistics(mapper: RidgeMapper, stem: str | Path, expect: dict |
     the mapper). Mappers built before the name was recorded are matched by token count only."""
     stats = PairStatistics.load(stem, expect=expect)
     recorded = mapper.header.get("statistics_sha256")
-    found = artifact_fingerprint(stem)
+    found = stats.header.get("tensors_sha256") or artifact_fingerprint(stem)  # verified on load when recorded
     if recorded is not None and recorded != found:
         raise CacheCertError(f"statistics {stem} ({found}) are not the ones mapper {mapper.fingerprint} was fitted "
                              f"from ({recorded}); recalibrate with `cachecert calibrate`")

@@ -11,14 +11,14 @@ another pair raises ``GeometryMismatchError``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from cachecert_agents import __version__
-from cachecert_agents.artifacts import artifact_paths, file_fingerprint, load_artifact, save_artifact
+from cachecert_agents.artifacts import (artifact_fingerprint, artifact_paths, file_fingerprint, load_artifact,
+                                        save_artifact)
 from cachecert_agents.transfer.statistics import PairStatistics
 
 FORMAT = "cachecert-ridge-mapper/1"
@@ -117,7 +117,7 @@ class RidgeMapper:
         for name in self.weights:
             tensors[f"{name}/W"], tensors[f"{name}/b"] = self.weights[name], self.biases[name]
         st = save_artifact(path, tensors, self.header)
-        self.header["tensors_sha256"] = json.loads(artifact_paths(path)[1].read_text())["tensors_sha256"]
+        self.header["tensors_sha256"] = artifact_fingerprint(path)
         return st
 
     @classmethod
