@@ -166,6 +166,21 @@ def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp
     assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 1
 
 
+def test_a_holder_without_sender_features_is_named_in_the_prefill_reason(pair, artifacts, tmp_path):
+    """A context prefilled while its model was no route's sender kept no features: the receiver prefills, and the
+    reason says who holds the context and why it cannot be transferred (not "no other model holds it")."""
+    sender, receiver = pair
+    config = RuntimeConfig(routes=[], audit_log=str(tmp_path / "audit.jsonl"), audit_in_background=False,
+                           max_new_tokens=6)
+    runtime = CacheCertRuntime(config, models={"tiny-s": sender, "tiny-r": receiver})
+    runtime.generate("tiny-s", CONTEXT, "outline")  # no route yet: prefilled without features
+    runtime.add_route(RouteConfig(sender="tiny-s", receiver="tiny-r", mapper=str(tmp_path / "mapper"),
+                                  certificate=artifacts("accept.json")))
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "tiny-s hold(s) this context but kept no sender features" in decision.reason
+    assert text == plain_answer(receiver, CONTEXT, "write")
+
+
 def test_a_screened_certificate_scores_the_cheap_transfer_and_serves_the_split_one(pair, artifacts, tmp_path):
     from cachecert_agents.agents.store import text_key
     from cachecert_agents.transfer.apply import transfer

@@ -323,6 +323,11 @@ class CacheCertRuntime:
 
         holders = self.store.holders(tkey, exclude_model=handle.name)
         if not holders:
+            featureless = self.store.models_without_features(tkey, exclude_model=handle.name)
+            if featureless:  # held, but not transferable: say so rather than "nobody holds it"
+                return None, (f"{', '.join(featureless)} hold(s) this context but kept no sender features (prefilled "
+                              f"while no route had them as sender), so nothing can be transferred to "
+                              f"{handle.name}")
             return None
         reasons = []
         for holder in holders:

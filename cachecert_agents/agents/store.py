@@ -194,6 +194,17 @@ class KVCacheStore:
                 self._entries.move_to_end(e.key)
             return found
 
+    def models_without_features(self, text: str, exclude_model: str | None = None) -> list[str]:
+        """Models (sorted) holding the same context text, in memory or on disk, whose entries kept no sender
+        features: they were prefilled while no route had them as its sender, so no transfer can read them."""
+        with self._lock:
+            found = {e.model for e in self._entries.values()
+                     if e.text_key == text and e.model != exclude_model and e.features is None}
+            found |= {h["model"] for key, h in self._disk.items()
+                      if key not in self._entries and h["text_key"] == text and h["model"] != exclude_model
+                      and h.get("features_prefill_s") is None}
+            return sorted(found)
+
     def put(self, entry: CachedContext) -> bool:
         """Insert (or replace) an entry, evicting least-recently-used ones to stay under the bound. Returns
         False, storing nothing, when the entry alone exceeds the bound."""
