@@ -182,11 +182,57 @@ def _parse_splits(text: str, num_layers: int) -> list[int]:
     out = []
     for part in text.split(","):
         part = part.strip()
-        value = num_layers if part == "L" else (round(float(part) * num_layers) if "." in part else int(part))
+        try:
+            value = num_layers if part == "L" else (round(float(part) * num_layers) if "." in part else int(part))
+        except ValueError:
+            raise CacheCertError(f"split {part!r} is not an integer layer, a fraction such as 0.5, or L") from None
         if not 0 <= value <= num_layers:
             raise CacheCertError(f"split {part!r} is outside 0..{num_layers} for this receiver")
         out.append(value)
     return sorted(set(out))
+
+
+def _probability(text: str) -> float:
+    """A risk budget, delta or confidence: a number strictly between 0 and 1 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 < value < 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text!r}")
+    return value
+
+
+def _probabilities(text: str) -> list[float]:
+    """'0.05,0.1,0.2' -> [0.05, 0.1, 0.2], each strictly between 0 and 1 (argparse type)."""
+    values = [_probability(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers between 0 and 1, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _split_spec(text: str) -> str:
+    """Checks the form of a --splits value before any model loads (argparse type); :func:`_parse_splits` resolves
+    it against the receiver's depth."""
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if part != "L" and not (float(part) >= 0 if "." in part else int(part) >= 0):
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"split layers must be non-negative integers, fractions such as 0.5, "
+                                             f"or L; got {part!r} in {text!r}") from None
+    return text
 
 
 def _parse_percentages(text: str) -> tuple[int, ...]:
@@ -639,9 +685,11 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     results_dir = Path(args.results_dir)
     if args.pair == ("all", "all"):
         keys = recorded_pools(results_dir)
+    elif args.workload == "all":  # every workload this pair has records of
+        keys = [k for k in recorded_pools(results_dir) if k[:2] == tuple(args.pair)]
     else:
         keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
-    alphas = [float(a) for a in args.alpha.split(",")]
+    alphas = args.alpha
     if args.out and Path(args.out).exists():
         own = "the workloads' own"
         labels = {r.get("agreement") or own for r in json.loads(Path(args.out).read_text()).get("results", [])}
@@ -785,14 +833,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = cache_home() / "demo"
+    out = Path(args.out).expanduser() if args.out else out_dir / f"summary-{stamp}.json"
+    if out.exists():  # refused before the run, not after it (nothing the user wrote is overwritten)
+        raise CacheCertError(f"{out} exists; choose another --out")
     runtime, workload = _report_setup(args, str(out_dir / f"audit-{stamp}.jsonl"))
     examples = workload.examples("evaluation", limit=args.sets)
     records = run_pipeline(runtime, examples, args.planner, args.writer, agree=workload.agree)
     summary = summarise_runs(records, runtime)
     _print_report_summary(summary, records)
-    out = Path(args.out) if args.out else out_dir / f"summary-{stamp}.json"
-    if out.exists():
-        raise CacheCertError(f"{out} exists; choose another --out")
+    if out.exists():  # appeared while the pipeline ran: keep both, never overwrite
+        kept = out.with_name(f"{out.stem}-{stamp}{out.suffix}")
+        logger.warning("%s appeared while the demo ran; writing this run's summary to %s instead", out, kept)
+        out = kept
     write_result_file(str(out), {"summary": summary, "sets": records})
     print(f"\nsummary written to {out}; audit log {runtime.audit_log.path}")
     runtime.close()
@@ -872,7 +924,8 @@ def _cmd_audit_report(args: argparse.Namespace) -> int:
     rows = summarise_audits(log.records(), args.confidence)
     if not args.json:
         for r in rows:
-            print(f"{r['sender']}->{r['receiver']} node={r['node']:10} audited={r['audited']:4d} "
+            print(f"{r['sender']}->{r['receiver']} certificate={r['certificate_id'][:12]:12} node={r['node']:10} "
+                  f"audited={r['audited']:4d} "
                   f"silent_failures={r['silent_failures']:3d} rate={r['rate']:.3f} "
                   f"exact {100 * r['confidence']:.0f}% interval [{r['exact_low']:.3f}, {r['exact_high']:.3f}] "
                   f"(Wilson [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}]) alpha={r['alpha']:g}"
@@ -888,7 +941,8 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True,
                    help="hotpotqa, musique, squad-long, report, tool-results (`eval transfer`: also 'all')")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--splits", default="0.25,0.5,L", help="split layers: ints, fractions, or L (pure KV)")
+    p.add_argument("--splits", type=_split_spec, default="0.25,0.5,L",
+                   help="split layers: ints, fractions, or L (pure KV)")
 
 
 def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
@@ -897,7 +951,7 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--planner", default="gemma3-270m", help="model of the planner and reviewer nodes")
     p.add_argument("--writer", default="smollm2-135m", help="model of the writer node (the transfer receiver)")
     p.add_argument("--split", default="L", help="transfer method of the route: split layer, fraction, or L")
-    p.add_argument("--alpha", type=float, default=0.2, help="certificate risk budget (CRC)")
+    p.add_argument("--alpha", type=_probability, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
     p.add_argument("--audit-probability", type=float, default=0.5)
@@ -1009,9 +1063,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("cert", help="certification validated on many random calibration/test splits")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER", help="or 'all'")
     p.add_argument("--workload", default="all", help="one or several (comma-separated), or 'all'")
-    p.add_argument("--alpha", default="0.05,0.1,0.2", help="risk budgets, comma-separated")
-    p.add_argument("--delta", type=float, default=0.1, help="LTT's delta (rows for CRC are always made)")
-    p.add_argument("--splits", type=int, default=500, help="random calibration/test splits")
+    p.add_argument("--alpha", type=_probabilities, default="0.05,0.1,0.2", help="risk budgets, comma-separated")
+    p.add_argument("--delta", type=_probability, default=0.1, help="LTT's delta (rows for CRC are always made)")
+    p.add_argument("--splits", type=_positive_int, default=500, help="random calibration/test splits")
     p.add_argument("--min-n", type=int, default=40, help="skip methods with fewer labelled requests")
     p.add_argument("--results-dir", default="docs/results/transfer", help="labelled requests (eval transfer JSONL)")
     p.add_argument("--screen", default=None, metavar="METHOD",
@@ -1068,8 +1122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screen", default=None, metavar="METHOD",
                    help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "
                         "--method only when the certificate accepts it")
-    p.add_argument("--alpha", type=float, required=True, help="risk budget: rate of unsafe transfers served")
-    p.add_argument("--delta", type=float, default=None, help="LTT: the guarantee holds with probability 1-delta")
+    p.add_argument("--alpha", type=_probability, required=True, help="risk budget: rate of unsafe transfers served")
+    p.add_argument("--delta", type=_probability, default=None, help="LTT: the guarantee holds with probability 1-delta")
     p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
     p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
@@ -1135,7 +1189,7 @@ def build_parser() -> argparse.ArgumentParser:
     asub = audit.add_subparsers(dest="audit_command", required=True)
     p = asub.add_parser("report", help="silent-failure rate per pair and node, with confidence intervals")
     p.add_argument("log", help="an audit log (JSONL)")
-    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--confidence", type=_probability, default=0.95, help="of the intervals, in (0, 1)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_audit_report)
     return parser
@@ -1147,8 +1201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except CacheCertError as exc:
-        print(f"cachecert: error: {exc}", file=sys.stderr)
+    except (CacheCertError, OSError, ValueError) as exc:  # bad input, missing or unreadable files: one clear line
+        if args.verbose and not isinstance(exc, CacheCertError):
+            raise
+        hint = "" if isinstance(exc, CacheCertError) else " (run with --verbose for the traceback)"
+        print(f"cachecert: error: {exc}{hint}", file=sys.stderr)
         return 2
 
 

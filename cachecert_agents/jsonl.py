@@ -15,15 +15,25 @@ logger = logging.getLogger(__name__)
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Every intact record (a JSON object per line) of ``path``; [] when it does not exist. A line that is cut
+    (a crash while writing), not UTF-8, not JSON, or JSON but not an object is skipped with a warning naming it:
+    one bad line never hides the records around it."""
+    path = Path(path)
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a line cut by a crash: everything before it is intact
-                logger.warning("%s: skipping a truncated line", path)
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is a ValueError too; a cut line: everything before it is intact
+            logger.warning("%s: skipping line %d (cut or not JSON)", path, number)
+            continue
+        if not isinstance(record, dict):
+            logger.warning("%s: skipping line %d (a JSON %s, not a record)", path, number, type(record).__name__)
+            continue
+        records.append(record)
     return records
 
 

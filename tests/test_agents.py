@@ -423,6 +423,40 @@ def test_a_killed_writer_never_corrupts_earlier_audit_records(tmp_path):
     assert after[:len(records)] == records and after[-1]["i"] == -1
 
 
+def test_malformed_audit_records_are_skipped_and_never_counted(tmp_path, caplog):
+    """A record missing a field, of the wrong type, not an object, or not UTF-8 is skipped with a warning: the
+    runtime still starts, and only the valid records count towards a flag."""
+    from cachecert_agents.cert.audit import AuditMonitor
+
+    log = tmp_path / "audit.jsonl"
+    good = {"sender": "s", "receiver": "r", "certificate_id": "c1", "unsafe": False, "alpha": 0.1}
+    with log.open("wb") as fh:
+        for line in ([{"sender": "s", "receiver": "r", "alpha": 0.1, "certificate_id": "c2"},  # no unsafe
+                      {"sender": "s", "receiver": "r", "unsafe": True, "certificate_id": "c1"},  # no alpha
+                      {"sender": "s", "receiver": "r", "unsafe": "yes", "alpha": 0.1, "certificate_id": "c1"},
+                      5, good]):
+            fh.write(json.dumps(line).encode() + b"\n")
+        fh.write(b"\xff\xfe not utf-8\n")
+    with caplog.at_level("WARNING"):
+        monitor = AuditMonitor(AuditLog(log))
+    assert monitor._counts == {("s", "r", "c1"): [0, 1]} and not monitor.flagged
+    assert caplog.text.count("skipping") >= 5
+    rows = summarise_audits(AuditLog(log).records())
+    assert [(r["node"], r["audited"]) for r in rows] == [("*", 1), ("-", 1)]
+    with pytest.raises(ValueError, match="confidence"):
+        summarise_audits([], confidence=1.5)
+
+
+def test_audit_report_judges_each_certificate_by_its_own_alpha():
+    """An old lenient certificate's clean audits must not hide a new strict one's failures."""
+    old = [{"sender": "s", "receiver": "r", "certificate_id": "old", "unsafe": False, "alpha": 0.3}] * 100
+    new = [{"sender": "s", "receiver": "r", "certificate_id": "new", "unsafe": i < 15, "alpha": 0.05}
+           for i in range(100)]
+    rows = {(r["certificate_id"], r["node"]): r for r in summarise_audits(old + new)}
+    assert rows[("new", "*")]["above_alpha"] and rows[("new", "*")]["alpha"] == 0.05
+    assert not rows[("old", "*")]["above_alpha"]
+
+
 def test_langchain_chat_model_goes_through_the_policy(pair, artifacts, tmp_path):
     from langchain_core.messages import HumanMessage, SystemMessage
 

@@ -474,3 +474,72 @@ def test_score_auc_is_the_mann_whitney_statistic_with_half_ties():
     assert score_auc([0.0] * 4, [0, 1, 0, 1]) == 0.5  # a constant score: all ties
     assert score_auc([0.1, 0.5, 0.5, 0.9], [0, 0, 1, 1]) == pytest.approx((1 + 0.5 + 1 + 1) / 4)
     assert score_auc([0.3, 0.4], [1, 1]) is None  # one class only
+
+
+def test_always_transfer_saving_is_the_transfer_cost_alone_for_every_score(tmp_path):
+    """Serving every transfer needs no score and no screen: its saving is 1 - transfer/prefill on every row, not
+    the scored policy's cost model (which counted the scoring pass, or the screen)."""
+    from cachecert_agents.eval.cert_eval import with_screens
+
+    _write_screened_pool(tmp_path / "s__r__w.jsonl")
+    pools = with_screens(labelled_requests(tmp_path, "s", "r", "w"), "ridge-kv")
+    for method, expected in (("ridge-kv", 1 - 0.1 / 4.0), ("split@2|screen:ridge-kv", 1 - 2.0 / 4.0)):
+        rows = validate(pools[method], [0.2], splits=10, delta=None)
+        assert [r["prefill_saved_always_transfer"] for r in rows] == pytest.approx([expected] * len(rows))
+
+
+def test_a_labelled_record_without_a_prefill_time_is_refused(tmp_path):
+    from cachecert_agents.errors import CacheCertError
+
+    path = tmp_path / "s__r__w.jsonl"
+    _write_screened_pool(path, n=5)
+    append_jsonl(path, {"id": "x", "method": "ridge-kv", "split": 4, "agree": True, "transfer_s": 0.1,
+                        "risk": {"geometry": 0.1, "entropy": 0.1, "margin": 0.1, "constant": 0.0,
+                                 "version": SCORE_VERSION}})
+    with pytest.raises(CacheCertError, match="prefill_s"):
+        labelled_requests(tmp_path, "s", "r", "w")
+
+
+def test_eval_cert_of_one_pair_over_all_its_workloads(tmp_path):
+    from cachecert_agents.cli import main
+
+    _write_screened_pool(tmp_path / "s__r__w.jsonl")
+    _write_screened_pool(tmp_path / "s__r__w2.jsonl", seed=3)
+    _write_screened_pool(tmp_path / "other__r__w.jsonl", seed=4)
+    out = tmp_path / "cert.json"
+    assert main(["eval", "cert", "--pair", "s:r", "--alpha", "0.2", "--splits", "10", "--min-n", "20",
+                 "--results-dir", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["sender"], r["workload"]) for r in rows} == {("s", "w"), ("s", "w2")}
+
+
+@pytest.mark.parametrize("argv", [
+    ["certify", "--pair", "s:r", "--workload", "w", "--alpha", "1.5", "--no-run"],
+    ["certify", "--pair", "s:r", "--workload", "w", "--alpha", "nan", "--no-run"],
+    ["certify", "--pair", "s:r", "--workload", "w", "--alpha", "0.1", "--delta", "2", "--no-run"],
+    ["eval", "cert", "--pair", "s:r", "--alpha", "0.1,0"],
+    ["eval", "cert", "--pair", "s:r", "--alpha", "abc"],
+    ["eval", "cert", "--pair", "s:r", "--splits", "0"],
+    ["audit", "report", "log.jsonl", "--confidence", "1.5"],
+    ["eval", "transfer", "--pair", "s:r", "--workload", "w", "--splits", "x,L"],
+])
+def test_bad_numbers_are_usage_errors_before_anything_runs(argv, capsys):
+    from cachecert_agents.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_missing_files_and_unknown_workloads_are_one_line_errors(tmp_path, capsys):
+    from cachecert_agents.cli import main
+
+    assert main(["eval", "report", "--results", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t.md")]) == 2
+    assert main(["eval", "summarise", "--pair", "s:r", "--workload", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "unknown workload 'nope'" in err and "Traceback" not in err
+
+
+def test_a_directory_is_not_a_certificate(tmp_path):
+    with pytest.raises(CertificateError, match="cannot read"):
+        Certificate.load(tmp_path)

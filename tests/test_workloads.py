@@ -176,6 +176,8 @@ def test_score_agree_and_criterion(real):
 def test_unknown_workload():
     with pytest.raises(ValueError, match="hotpotqa"):
         get_workload("nope")
+    with pytest.raises(CacheCertError, match="unknown workload"):  # the CLI prints it as a one-line error
+        get_workload("nope")
 
 
 def test_bad_context_chars():
@@ -246,6 +248,23 @@ def test_malformed_nested_rows(tmp_path):
     article = _write(tmp_path / "wiki" / "Some_Title.json", {"title": "Some_Title", "content": []})
     with pytest.raises(DataFormatError, match="Some_Title.json.*'summary'"):
         get_workload("report", data=article.parent).examples()
+
+
+@pytest.mark.parametrize("name,obj,match", [
+    ("musique", [{"id": "m", "question": "q", "answer": "a", "paragraphs": [
+        {"title": "T", "paragraph_text": None, "is_supporting": True}]}], "paragraph 0, key 'paragraph_text'"),
+    ("musique", [{"id": "m", "question": 5, "answer": "a", "paragraphs": []}], "row 0, key 'question'"),
+    ("musique", [{"id": "m", "question": "q", "answer": 7, "paragraphs": []}], "row 0, key 'answer'"),
+    ("squad-long", {"data": [{"title": "T", "paragraphs": [{"context": 3, "qas": []}]}]}, "key 'context'"),
+    ("squad-long", {"data": [{"title": "T", "paragraphs": [{"context": "c", "qas": [
+        {"id": "q", "question": None, "answers": []}]}]}]}, "qas\\[0\\], key 'question'"),
+    ("squad-long", {"data": [{"title": "T", "paragraphs": [{"context": "c", "qas": [
+        {"id": "q", "question": "q", "answers": [{"text": None}]}]}]}]}, "answers\\[0\\], key 'text'"),
+])
+def test_wrong_types_name_the_file_row_and_key(tmp_path, name, obj, match):
+    bad = _write(tmp_path / f"{name}.json", obj)
+    with pytest.raises(DataFormatError, match=match):
+        get_workload(name, data=bad).examples()
 
 
 def test_duplicate_ids_rejected(tmp_path):

@@ -20,7 +20,7 @@ import math
 import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
 
@@ -99,22 +99,70 @@ def clopper_pearson_interval(failures: int, n: int, confidence: float = 0.95) ->
     return lower, upper
 
 
+class AuditRecord(NamedTuple):
+    """The fields of an audit record that rates and flags read (the log holds more, see the module docstring)."""
+
+    sender: str
+    receiver: str
+    certificate_id: str | None  # None: written before audits named their certificate
+    node: str
+    unsafe: bool
+    alpha: float
+
+
+def parse_audit_record(record: Any) -> AuditRecord:
+    """Validate one log record; raises ``ValueError`` naming what is missing or malformed (every reader skips such
+    a record with a warning, so one bad line never stops the runtime or a report)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
+    missing = [k for k in ("sender", "receiver", "unsafe", "alpha") if k not in record]
+    if missing:
+        raise ValueError(f"record lacks {', '.join(missing)}")
+    if not isinstance(record["unsafe"], bool):
+        raise ValueError(f"unsafe must be true or false, got {record['unsafe']!r}")
+    try:
+        alpha = float(record["alpha"])
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a number, got {record['alpha']!r}") from None
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    return AuditRecord(str(record["sender"]), str(record["receiver"]), record.get("certificate_id"),
+                       str(record.get("node") or "-"), record["unsafe"], alpha)
+
+
+def valid_audit_records(records: list[Any], source: str | Path = "audit log") -> list[AuditRecord]:
+    """The records that :func:`parse_audit_record` accepts; each one skipped is said in a warning."""
+    out = []
+    for i, r in enumerate(records):
+        try:
+            out.append(parse_audit_record(r))
+        except ValueError as exc:
+            logger.warning("%s: skipping audit record %d: %s", source, i + 1, exc)
+    return out
+
+
 def summarise_audits(records: list[dict], confidence: float = 0.95) -> list[dict]:
-    """Silent-failure rate per (sender, receiver, node) and per pair (``node = "*"``), with Wilson intervals."""
-    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["sender"], r["receiver"], r.get("node") or "-")].append(r)
-        groups[(r["sender"], r["receiver"], "*")].append(r)
+    """Silent-failure rate per pair, certificate and node, and per pair and certificate (``node = "*"``), with
+    Wilson and exact (Clopper-Pearson) intervals. Each certificate is judged against its own alpha, as
+    :class:`AuditMonitor` does (pooling an old lenient certificate's clean audits with a new one's would hide the
+    new one's failures). Malformed records are skipped with a warning."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    groups: dict[tuple[str, str, str, str], list[AuditRecord]] = defaultdict(list)
+    for r in valid_audit_records(records):
+        cert = r.certificate_id or "-"
+        groups[(r.sender, r.receiver, cert, r.node)].append(r)
+        groups[(r.sender, r.receiver, cert, "*")].append(r)
     rows = []
-    for (sender, receiver, node), recs in sorted(groups.items()):
-        k = sum(bool(r["unsafe"]) for r in recs)
+    for (sender, receiver, cert, node), recs in sorted(groups.items()):
+        k = sum(r.unsafe for r in recs)
         lo, hi = wilson_interval(k, len(recs), confidence)
         cp_lo, cp_hi = clopper_pearson_interval(k, len(recs), confidence)
-        alpha = max((r.get("alpha") or 0.0) for r in recs)
-        rows.append({"sender": sender, "receiver": receiver, "node": node, "audited": len(recs),
-                     "silent_failures": k, "rate": k / len(recs), "wilson_low": lo, "wilson_high": hi,
-                     "exact_low": cp_lo, "exact_high": cp_hi, "confidence": confidence, "alpha": alpha,
-                     "above_alpha": cp_lo > alpha})
+        alpha = min(r.alpha for r in recs)  # one certificate has one alpha; the strictest if a log mixes them
+        rows.append({"sender": sender, "receiver": receiver, "certificate_id": cert, "node": node,
+                     "audited": len(recs), "silent_failures": k, "rate": k / len(recs), "wilson_low": lo,
+                     "wilson_high": hi, "exact_low": cp_lo, "exact_high": cp_hi, "confidence": confidence,
+                     "alpha": alpha, "above_alpha": cp_lo > alpha})
     return rows
 
 
@@ -147,15 +195,12 @@ class AuditMonitor:
         self._flagged: set[tuple[str, str, str | None]] = set()
         self._lock = threading.Lock()
         alphas: dict[tuple[str, str, str | None], float] = {}
-        for r in log.records():  # a restarted process remembers what earlier runs audited
-            try:
-                key = (r["sender"], r["receiver"], r.get("certificate_id"))
-                self._counts[key][0] += bool(r["unsafe"])
-                self._counts[key][1] += 1
-                alphas[key] = float(r["alpha"])
-            except (KeyError, TypeError, ValueError) as exc:  # a malformed record is skipped, said once each
-                logger.warning("audit log %s: skipping a record without sender/receiver/unsafe/alpha (%r)",
-                               log.path, exc)
+        # a restarted process remembers what earlier runs audited; a malformed record is skipped, said once each
+        for r in valid_audit_records(log.records(), log.path):
+            key = (r.sender, r.receiver, r.certificate_id)
+            self._counts[key][0] += r.unsafe
+            self._counts[key][1] += 1
+            alphas[key] = min(r.alpha, alphas.get(key, 1.0))
         for key, (k, n) in self._counts.items():
             if clopper_pearson_interval(k, n, confidence)[0] > alphas[key]:
                 self._flagged.add(key)

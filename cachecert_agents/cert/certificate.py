@@ -129,6 +129,8 @@ class Certificate(BaseModel):
             payload = json.loads(path.read_text())
         except FileNotFoundError:
             raise CertificateError(f"no certificate at {path}") from None
+        except OSError as exc:  # a directory, no permission, ...
+            raise CertificateError(f"cannot read the certificate {path}: {exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise CertificateError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:

@@ -120,6 +120,10 @@ def labelled_requests(results_dir: Path, sender: str, receiver: str, workload: s
     out: dict[str, LabelledRequests] = {}
     for method in sorted({m for _, m in latest}):
         recs = [r for (_, m), r in sorted(latest.items()) if m == method]
+        untimed = [r["id"] for r in recs if not r.get("prefill_s")]
+        if untimed:  # a saving relative to an unknown prefill time would be meaningless (or infinite)
+            raise CacheCertError(f"{path}: {len(untimed)} labelled {method} record(s) carry no receiver prefill time "
+                                 f"(prefill_s), e.g. {untimed[0]!r}; rerun `cachecert eval transfer` for them")
         arr = lambda key: np.array([float(r.get(key, 0.0)) for r in recs])  # noqa: E731
         out[method] = LabelledRequests(
             sender, receiver, workload, method, int(recs[0]["split"]), [r["id"] for r in recs],
@@ -209,6 +213,8 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
     calibration/test splits of the labelled pool, realised risk, acceptance and net prefill saved."""
     n = len(labelled)
     n_cal = max(1, min(n - 1, int(round(cal_fraction * n))))
+    # serving every transfer costs the transfer only (no score, no screen): the same for every score's rows
+    always_saved = float(labelled.gains("constant")[0].mean())
     rows = []
     for score in scores:
         served, refused = labelled.gains(score)
@@ -228,7 +234,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "frac_above_alpha": res["frac_risk_above_alpha"], "accept_rate": res["accept_rate_mean"],
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
-                    "prefill_saved_always_transfer": float(served.mean()),
+                    "prefill_saved_always_transfer": always_saved,
                     "prefill_saved_perfect_score": ceiling,
                     "score_auc": auc,
                     "prefill_timing": "same run" if labelled.same_run_timing else "another run",

@@ -76,6 +76,10 @@ class DataNotFoundError(CacheCertError):
     """The evaluation data of a workload could not be located."""
 
 
+class UnknownWorkloadError(CacheCertError, ValueError):
+    """A workload name that is not one of :data:`WORKLOADS` (a ``ValueError`` too, as before)."""
+
+
 class DataFormatError(CacheCertError, ValueError):
     """An evaluation data file is not valid JSON or lacks what a workload needs (file, row and key named)."""
 
@@ -487,9 +491,13 @@ class MuSiQue(Workload):
         for i, row in enumerate(rows):
             where = f"row {i}"
             _require(row, ("id", "question", "answer", "paragraphs"), path, where)
+            _expect(isinstance(row["question"], str), path, where, "question", "a string")
+            _expect(isinstance(row["answer"], str), path, where, "answer", "a string")
             _expect(isinstance(row["paragraphs"], list), path, where, "paragraphs", "a list")
             for j, par in enumerate(row["paragraphs"]):
                 _require(par, ("title", "paragraph_text", "is_supporting"), path, f"{where}, paragraph {j}")
+                _expect(isinstance(par["paragraph_text"], str), path, f"{where}, paragraph {j}", "paragraph_text",
+                        "a string")
             aliases = row.get("answer_aliases") or []
             _expect(isinstance(aliases, list) and all(isinstance(a, str) for a in aliases), path, where,
                     "answer_aliases", "a list of strings")
@@ -538,14 +546,18 @@ class SquadLong(Workload):
             for p, par in enumerate(art["paragraphs"]):
                 where = f"data[{a}].paragraphs[{p}]"
                 _require(par, ("context", "qas"), path, where)
+                _expect(isinstance(par["context"], str), path, where, "context", "a string")
                 _expect(isinstance(par["qas"], list), path, where, "qas", "a list")
                 pool.append((a, p, title, par["context"].strip()))
                 first = None
                 for q, qa in enumerate(par["qas"]):
                     _require(qa, ("id", "question", "answers"), path, f"{where}.qas[{q}]")
+                    _expect(isinstance(qa["question"], str), path, f"{where}.qas[{q}]", "question", "a string")
                     _expect(isinstance(qa["answers"], list), path, f"{where}.qas[{q}]", "answers", "a list")
                     for k, ans in enumerate(qa["answers"]):
                         _require(ans, ("text",), path, f"{where}.qas[{q}].answers[{k}]")
+                        _expect(isinstance(ans["text"], str), path, f"{where}.qas[{q}].answers[{k}]", "text",
+                                "a string")
                     if qa.get("is_impossible", False) or not qa["answers"]:
                         self.excluded["unanswerable"] += 1
                     elif first is None:
@@ -726,5 +738,5 @@ def get_workload(name: str, data: str | Path | None = None, **kw: Any) -> Worklo
     try:
         cls = WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}") from None
+        raise UnknownWorkloadError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}") from None
     return cls(data=data, **kw)
