@@ -657,19 +657,24 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         raise CacheCertError(f"no requests labelled with the mapper at {stem} for {key}")
     header = json.loads(js.read_text())
     fps = pair_fingerprints(header)
+    gains = labelled.gains(args.score)
     cert = build_certificate(
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,
         sender=sender_name, receiver=receiver_name, pair_fingerprints=fps,
         mapper_fingerprint=artifact_fingerprint(stem),
         workload=args.workload, method=args.method, split=labelled.split, score=args.score,
         score_definition=score_definition(args.score), screen_method=args.screen,
-        screen_split=screen_split, agreement=args.agreement)
+        screen_split=screen_split, agreement=args.agreement, gain_accepted=gains[0], gain_rejected=gains[1],
+        guard=not args.no_guard)
     cert.save(args.out, overwrite=args.force)
     summary = cert.model_dump()
+    if cert.guard:
+        logger.warning("%s", cert.guard)
     if not args.json:
         print(f"certificate {args.out}: {cert.control.upper()} alpha={cert.alpha} n={cert.n} lambda={cert.lam:.4g} "
               f"accepts {cert.accept_rate_calibration:.0%} of calibration transfers (unsafe when always "
-              f"transferring: {cert.unsafe_rate_calibration:.0%})")
+              f"transferring: {cert.unsafe_rate_calibration:.0%}; prefill saved on calibration "
+              f"{cert.calibration_saving:.3f})")
     _emit(summary, args.json)
     return 0
 
@@ -1127,6 +1132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
     p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
+    p.add_argument("--no-guard", action="store_true",
+                   help="keep a certificate that does not save prefill on its calibration requests (by default it "
+                        "is switched off: threshold -inf, every request prefilled; the risk guarantee is the same)")
     p.add_argument("--agreement", type=_parse_agreement, default=None, metavar="CRITERION",
                    help="label the calibration requests by this agreement criterion with full prefill instead of "
                         "the workload's own (exact match for short answers, rouge-l>=0.5 for long): 'exact', "

@@ -166,6 +166,17 @@ def test_refused_certificate_falls_back_to_an_exact_prefill(pair, artifacts, tmp
     assert text == plain_answer(pair[1], CONTEXT, "write") and runtime.metrics.refused == 1
 
 
+def test_a_certificate_switched_off_by_the_savings_guard_prefills_and_says_why(pair, artifacts, tmp_path):
+    off = Certificate.load(artifacts("off.json")).model_copy(update={
+        "threshold": "-inf", "guard": "savings guard: saves -0.2 of prefill on its calibration requests"})
+    path = off.save(tmp_path / "guarded.json")
+    runtime = make_runtime(pair, tmp_path, str(path))
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    text, decision = runtime.generate("tiny-r", CONTEXT, "write")
+    assert decision.action == "prefill" and "savings guard" in decision.reason
+    assert text == plain_answer(pair[1], CONTEXT, "write")
+
+
 def test_a_holder_without_sender_features_is_named_in_the_prefill_reason(pair, artifacts, tmp_path):
     """A context prefilled while its model was no route's sender kept no features: the receiver prefills, and the
     reason says who holds the context and why it cannot be transferred (not "no other model holds it")."""

@@ -543,3 +543,35 @@ def test_missing_files_and_unknown_workloads_are_one_line_errors(tmp_path, capsy
 def test_a_directory_is_not_a_certificate(tmp_path):
     with pytest.raises(CertificateError, match="cannot read"):
         Certificate.load(tmp_path)
+
+
+def test_a_certificate_that_does_not_pay_is_switched_off_and_keeps_old_identities(tmp_path):
+    """With the requests' gains, a rule that loses on calibration becomes threshold -inf with the reason recorded
+    (unless guard=False); a certificate saved before the fields existed keeps its identity (audits name it)."""
+    from cachecert_agents.cert.certificate import _checksum
+
+    rng = np.random.default_rng(0)
+    scores = rng.uniform(size=200)
+    unsafe = (rng.uniform(size=200) < scores).astype(float)
+    kw = dict(alpha=0.1, delta=None, sender="s", receiver="r", pair_fingerprints={"sender_kv": "a"},
+              mapper_fingerprint="m1", workload="w", method="ridge-kv+r20", split=4, score="geometry",
+              score_definition=score_definition("geometry"))
+    ids = [str(i) for i in range(200)]
+    losing = build_certificate(ids, scores, unsafe, gain_accepted=np.full(200, 0.3), gain_rejected=np.full(200, -0.5),
+                               **kw)
+    assert losing.threshold == "-inf" and "savings guard" in losing.guard and losing.calibration_saving < 0
+    assert not losing.accepts(-1e9) and losing.accept_rate_calibration == 0.0
+    kept = build_certificate(ids, scores, unsafe, gain_accepted=np.full(200, 0.3), gain_rejected=np.full(200, -0.5),
+                             guard=False, **kw)
+    assert kept.lam > -np.inf and kept.guard is None and kept.calibration_saving == losing.calibration_saving
+    paying = build_certificate(ids, scores, unsafe, gain_accepted=np.full(200, 0.9),
+                               gain_rejected=np.full(200, -0.01), **kw)
+    assert paying.lam == kept.lam and paying.calibration_saving > 0 and paying.guard is None
+    losing.save(tmp_path / "off.json")
+    assert Certificate.load(tmp_path / "off.json").guard == losing.guard
+    plain = build_certificate(ids, scores, unsafe, **kw)  # no gains: nothing recorded, as before
+    body = plain.model_dump()
+    del body["calibration_saving"], body["guard"]
+    (tmp_path / "old.json").write_text(json.dumps(dict(body, checksum=_checksum(body))))
+    old = Certificate.load(tmp_path / "old.json")
+    assert old.identity == _checksum(body)[:16] == plain.identity

@@ -246,3 +246,31 @@ def test_hb_pvalue_matches_bruteforce(n, alpha):
     for k in range(n + 1):
         assert hoeffding_bentkus_pvalue(k / n, n, alpha) == pytest.approx(_brute_hb(k, n, alpha), rel=1e-9)
 
+
+
+def test_savings_guard_switches_off_a_rule_that_does_not_pay_and_keeps_the_risk_bound():
+    """guard_threshold returns -inf when the rule loses on its calibration requests; under split validation the
+    guarded rule's risk is pointwise at most the unguarded one's (so the bound carries over), and a route whose
+    refusals cost more than its served transfers save ends at 0 instead of a loss."""
+    from cachecert_agents.cert.conformal import calibration_gain, guard_threshold
+
+    s = np.array([0.1, 0.2, 0.3, 0.4])
+    assert calibration_gain(s, 0.2, np.full(4, 0.9), np.full(4, -0.5)) == pytest.approx((0.9 * 2 - 0.5 * 2) / 4)
+    assert guard_threshold(s, 0.2, np.full(4, 0.9), np.full(4, -0.5)) == 0.2  # pays: kept
+    assert guard_threshold(s, 0.1, np.full(4, 0.9), np.full(4, -0.5)) == -np.inf  # 0.9 - 1.5 < 0: off
+    assert guard_threshold(s, -np.inf, np.full(4, 0.9), np.full(4, -0.5)) == -np.inf
+    assert calibration_gain(s, -np.inf, np.ones(4), -np.ones(4)) == 0.0
+    rng = np.random.default_rng(3)
+    scores, unsafe = draw(rng, 300)
+    for refused_cost, served_gain in ((0.6, 0.7), (0.01, 0.9)):  # a costly repair that rarely pays; a cheap map
+        kw = dict(alpha=0.1, n_cal=150, splits=200, rng_seed=0, gain_accepted=np.full(300, served_gain),
+                  gain_rejected=np.full(300, -refused_cost))
+        plain, guarded = split_validation(scores, unsafe, **kw), split_validation(scores, unsafe, guard=True, **kw)
+        assert np.all(guarded["test_risks"] <= plain["test_risks"] + 1e-12)
+        assert guarded["test_risk_mean"] <= 0.1 + 3 * max(guarded["test_risk_se"], 1e-9)
+        if refused_cost == 0.6:
+            assert plain["gain_mean"] < 0 and guarded["n_guarded"] > 150 and guarded["gain_mean"] > plain["gain_mean"]
+        else:
+            assert guarded["n_guarded"] == 0 and guarded["gain_mean"] == plain["gain_mean"] > 0
+    with pytest.raises(ValueError, match="guard"):
+        split_validation(scores, unsafe, 0.1, 150, 5, guard=True)

@@ -346,7 +346,8 @@ class CacheCertRuntime:
                 continue
             cert = route.certificate
             if cert.lam == float("-inf"):
-                reasons.append(f"the certificate for {holder.model}->{handle.name} accepts no transfer")
+                why = f" ({cert.guard})" if cert.guard else ""
+                reasons.append(f"the certificate for {holder.model}->{handle.name} accepts no transfer{why}")
                 continue
             try:
                 prefix_cache = self._prefix_cache(handle, prompt)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from cachecert_agents import __version__
 from cachecert_agents.artifacts import file_fingerprint, first_identity_mismatch  # noqa: F401 (re-exported)
+from cachecert_agents.cert.conformal import calibration_gain, guard_threshold
 from cachecert_agents.cert.conformal import certify as fit_threshold
 from cachecert_agents.errors import CertificateError
 
@@ -65,6 +66,8 @@ class Certificate(BaseModel):
     screen_method: str | None = None  # two-stage: the score is computed on this transfer, run first
     screen_split: int | None = None
     agreement: str | None = None  # the labels' agreement criterion (Agreement spec); None: the workload's own
+    calibration_saving: float | None = None  # net prefill saved by the fitted rule on its calibration requests
+    guard: str | None = None  # why the savings guard switched the certificate off (threshold "-inf"), if it did
 
     @property
     def score_split(self) -> int:
@@ -75,7 +78,9 @@ class Certificate(BaseModel):
     def identity(self) -> str:
         """sha256 (16 hex) of the certificate's content: what audit records name it by, so audits of one
         certificate never count against another of the same pair."""
-        return _checksum(self.model_dump())[:16]
+        # fields added later are left out while unset, so a certificate keeps the identity its audits name it by
+        later = {k for k in ("calibration_saving", "guard") if getattr(self, k) is None}
+        return _checksum(self.model_dump(exclude=later))[:16]
 
     @property
     def lam(self) -> float:
@@ -152,13 +157,30 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
                       delta: float | None, sender: str, receiver: str, pair_fingerprints: dict[str, str],
                       mapper_fingerprint: str, workload: str, method: str, split: int, score: str,
                       score_definition: str, screen_method: str | None = None,
-                      screen_split: int | None = None, agreement: str | None = None) -> Certificate:
+                      screen_split: int | None = None, agreement: str | None = None,
+                      gain_accepted: np.ndarray | None = None, gain_rejected: np.ndarray | None = None,
+                      guard: bool = True) -> Certificate:
     """Fit the threshold on labelled requests (CRC when ``delta`` is None, else LTT) and wrap it. For a two-stage
     certificate, ``scores`` are the screen transfer's and ``unsafe`` the served (``method``) transfer's labels.
+    With the requests' gains (prefill fraction saved when served / when refused,
+    :meth:`~cachecert_agents.eval.cert_eval.LabelledRequests.gains`) the certificate records its calibration
+    saving, and with ``guard`` a rule that does not pay is switched off (threshold ``-inf``, the reason in
+    ``guard``; :func:`~cachecert_agents.cert.conformal.guard_threshold`, which keeps the guarantee).
     Raises :class:`~cachecert_agents.cert.conformal.InfeasibleRiskError` when no threshold is certifiable."""
     scores, unsafe = np.asarray(scores, float), np.asarray(unsafe, float)
     fit: dict[str, Any] = fit_threshold(scores, unsafe, alpha, delta)
     lam = fit["lambda"]
+    saving, reason = None, None
+    if gain_accepted is not None:
+        refused = np.zeros_like(scores) if gain_rejected is None else gain_rejected
+        saving = calibration_gain(scores, lam, gain_accepted, refused)
+        if guard and guard_threshold(scores, lam, gain_accepted, refused) != lam:
+            reason = (f"savings guard: the certified rule (lambda={lam:.4g}, accepting {fit['accept_rate']:.0%} of "
+                      f"calibration transfers) saves {saving:.3f} of prefill on its calibration requests, not more "
+                      f"than 0, so no transfer is served")
+            lam = float("-inf")
+            accepted = scores <= lam
+            fit = dict(fit, accept_rate=float(accepted.mean()), empirical_risk_at_lambda=0.0)
     return Certificate(
         sender=sender, receiver=receiver, pair_fingerprints=pair_fingerprints,
         mapper_fingerprint=mapper_fingerprint, workload=workload, method=method, split=split, score=score,
@@ -168,4 +190,5 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
         unsafe_rate_calibration=float(unsafe.mean()),
         calibration_fingerprint=calibration_fingerprint(ids, scores, unsafe),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__, screen_method=screen_method, screen_split=screen_split, agreement=agreement)
+        library_version=__version__, screen_method=screen_method, screen_split=screen_split, agreement=agreement,
+        calibration_saving=saving, guard=reason)

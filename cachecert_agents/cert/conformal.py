@@ -46,6 +46,8 @@ __all__ = [
     "ltt_min_n",
     "ltt_threshold",
     "certify",
+    "calibration_gain",
+    "guard_threshold",
     "split_validation",
 ]
 
@@ -303,9 +305,33 @@ def certify(scores: ArrayLike, unsafe: ArrayLike, alpha: float, delta: float | N
     }
 
 
+def calibration_gain(scores: ArrayLike, lam: float, gain_accepted: ArrayLike, gain_rejected: ArrayLike) -> float:
+    """Mean gain of the rule ``accept iff score <= lam`` on the calibration requests themselves (e.g. the fraction
+    of prefill saved: ``gain_accepted`` for a served transfer, ``gain_rejected`` (negative: the wasted transfer and
+    scoring) for a refused one); 0 for ``lam = -inf`` (a rule that accepts nothing is never tried)."""
+    s = np.asarray(scores, dtype=float).reshape(-1)
+    if lam == -np.inf:
+        return 0.0
+    return float(np.mean(np.where(s <= lam, np.asarray(gain_accepted, float), np.asarray(gain_rejected, float))))
+
+
+def guard_threshold(scores: ArrayLike, lam: float, gain_accepted: ArrayLike, gain_rejected: ArrayLike) -> float:
+    """The *savings guard*: ``-inf`` (never transfer) when the certified rule ``lam`` does not pay on its own
+    calibration requests (:func:`calibration_gain` ``<= 0``), else ``lam`` unchanged.
+
+    Validity is kept: the guarded threshold is a function of the calibration data only, and its loss
+    ``1{score <= lam'} * unsafe`` is pointwise at most that of ``lam`` (never transferring has loss 0), so CRC's
+    ``E[L_{n+1}] <= alpha`` and LTT's ``P(R <= alpha) >= 1 - delta`` carry over unchanged. What changes is the
+    cost: a route whose refusals would cost more than its served transfers save is switched off rather than
+    deployed at a loss (a data-dependent choice, so its saving is estimated, not guaranteed)."""
+    if lam == -np.inf or calibration_gain(scores, lam, gain_accepted, gain_rejected) > 0:
+        return lam
+    return float(-np.inf)
+
+
 def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: int, splits: int,
                      rng_seed: int | None = 0, delta: float | None = None, gain_accepted: ArrayLike | None = None,
-                     gain_rejected: ArrayLike | None = None) -> dict[str, Any]:
+                     gain_rejected: ArrayLike | None = None, guard: bool = False) -> dict[str, Any]:
     """Repeat ``splits`` random calibration/test splits of a labelled pool (calibration size ``n_cal``, test =
     the rest), fit ``lam_hat`` on calibration (CRC if ``delta is None`` else LTT) and measure the realised test
     risk ``mean_test 1{score <= lam_hat} * unsafe``.
@@ -318,7 +344,9 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     accept_rate_mean, test_risks`` (array of the feasible splits' risks). With per-request ``gain_accepted`` and
     ``gain_rejected`` (e.g. the fraction of prefill saved when a transfer is served, and the negative cost of a
     refused one), also ``gain_mean, gain_std``: the mean test gain per split, averaged over splits (0 for a split
-    whose threshold is ``-inf``: a certificate that accepts nothing is never tried)."""
+    whose threshold is ``-inf``: a certificate that accepts nothing is never tried). ``guard`` (needs the gains)
+    applies :func:`guard_threshold` to each split's threshold on that split's calibration half; ``n_guarded``
+    counts the splits it switched off."""
     s, u = _as_arrays(scores, unsafe)
     n = s.size
     n_cal, splits = int(n_cal), int(splits)
@@ -328,9 +356,11 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         raise ValueError(f"splits must be >= 1, got {splits}")
     rng = np.random.default_rng(rng_seed)
     risks, accepts, gains = [], [], []
-    n_infeasible = 0
+    n_infeasible = n_guarded = 0
     ga = None if gain_accepted is None else np.asarray(gain_accepted, dtype=float)
     gr = np.zeros(n) if gain_rejected is None else np.asarray(gain_rejected, dtype=float)
+    if guard and ga is None:
+        raise ValueError("guard=True needs gain_accepted (and gain_rejected): the guard compares savings")
     for _ in range(splits):
         perm = rng.permutation(n)
         cal, test = perm[:n_cal], perm[n_cal:]
@@ -342,6 +372,10 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         except InfeasibleRiskError:
             n_infeasible += 1
             continue
+        if guard:
+            guarded = guard_threshold(s[cal], lam, ga[cal], gr[cal])
+            n_guarded += guarded != lam
+            lam = guarded
         acc = s[test] <= lam
         risks.append(float(np.mean(acc * u[test])))
         accepts.append(float(np.mean(acc)))
@@ -359,6 +393,7 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         "n_test": n - n_cal,
         "splits": splits,
         "n_infeasible": n_infeasible,
+        "n_guarded": n_guarded,
         "test_risk_mean": float(r.mean()) if k else nan,
         "test_risk_std": std,
         "test_risk_se": std / math.sqrt(k) if k else nan,

@@ -224,6 +224,10 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
             for d in ([None] if delta is None else [None, delta]):
                 res = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits, rng_seed=seed,
                                        delta=d, gain_accepted=served, gain_rejected=refused)
+                guarded = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits,
+                                           rng_seed=seed, delta=d, gain_accepted=served, gain_rejected=refused,
+                                           guard=True)  # the same splits, each switched off when it does not pay
+                feasible_splits = max(1, splits - res["n_infeasible"])
                 rows.append({
                     "sender": labelled.sender, "receiver": labelled.receiver, "workload": labelled.workload,
                     "method": labelled.method, "alpha": alpha, "delta": d, "control": res["method"],
@@ -233,6 +237,9 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "risk_se": res["test_risk_se"], "risk_max": res["test_risk_max"],
                     "frac_above_alpha": res["frac_risk_above_alpha"], "accept_rate": res["accept_rate_mean"],
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
+                    "prefill_saved_guarded": guarded["gain_mean"], "risk_mean_guarded": guarded["test_risk_mean"],
+                    "risk_max_guarded": guarded["test_risk_max"], "accept_rate_guarded": guarded["accept_rate_mean"],
+                    "guarded_fraction": guarded["n_guarded"] / feasible_splits,
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": always_saved,
                     "prefill_saved_perfect_score": ceiling,
@@ -325,6 +332,8 @@ def summarise_at_alpha(rows: list[dict], alpha: float = 0.1, control: str = "crc
             "prefill_saved_always_transfer": r0["prefill_saved_always_transfer"],
             "risk_mean": {s: r["risk_mean"] for s, r in feasible.items()},
             "prefill_saved": {s: r["prefill_saved"] for s, r in feasible.items()},
+            "prefill_saved_guarded": {s: r["prefill_saved_guarded"] for s, r in feasible.items()
+                                      if r.get("prefill_saved_guarded") is not None},
             "prefill_saved_perfect_score": r0.get("prefill_saved_perfect_score")
             if best is None else feasible[best].get("prefill_saved_perfect_score"),
             "score_auc": {s: r.get("score_auc") for s, r in sel.items() if s != "constant"},
@@ -369,11 +378,13 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   "not comparable (see transfer.md). ‡ = the pool's geometry scores predate v3 on this repaired "
                   "transfer (they counted recomputed tokens as mapped; `stale_geometry`). AUC = how well each score "
                   "ranks the pool's unsafe requests above its safe ones (0.5: chance; `score_auc`; - in rows "
-                  "written before it was recorded).", "",
+                  "written before it was recorded). Guarded = the same certificates with the savings guard "
+                  "(`guard_threshold`: a split's certificate that does not save on its own calibration half is "
+                  "switched off, serving nothing), best score; - in rows written before it existed.", "",
                   "| pair | workload | method | n (cal) | silent failures: always transfer -> certified (best "
-                  "score) | prefill saved: always -> certified (perfect score) | best score | geometry vs best "
-                  "baseline | AUC geometry / entropy / margin |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "score) | prefill saved: always -> certified (perfect score) | guarded | best score | geometry "
+                  "vs best baseline | AUC geometry / entropy / margin |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for s in summary:
             b = s["best_score"]
             cert = (f"{f(s['silent_failure_always_transfer'])} -> {f(s['risk_mean'][b])}" if b else
@@ -383,8 +394,11 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
             saved += f" ({f(s.get('prefill_saved_perfect_score'))})"
             saved += " †" if s["prefill_timing"] != "same run" else ""
             method = s["method"].replace("|", "\\|") + (" ‡" if s["stale_geometry"] else "")  # escape the pipe
+            guarded = s.get("prefill_saved_guarded") or {}
+            best_guarded = max(guarded, key=lambda k: (guarded[k], k == "constant"), default=None)
+            guard = f"{f(guarded[best_guarded])} ({best_guarded})" if best_guarded else "-"
             lines.append(f"| {s['sender']} -> {s['receiver']} | {s['workload']} | {method} | {s['n_pool']} "
-                         f"({s['n_cal']}) | {cert} | {saved} | {b or '-'} | "
+                         f"({s['n_cal']}) | {cert} | {saved} | {guard} | {b or '-'} | "
                          f"{f(s['geometry_minus_best_baseline'])} | "
                          f"{' / '.join(f(s['score_auc'].get(k)) for k in ('geometry', 'entropy', 'margin'))} |")
         lines.append("")
@@ -397,12 +411,15 @@ def write_markdown(rows: list[dict], command: str, path: Path) -> None:
                   f"transferring: unsafe rate {r0['unsafe_rate_always_transfer']:.3f}, prefill saved "
                   f"{r0['prefill_saved_always_transfer']:.3f}.", "",
                   "| score | control | alpha | delta | risk mean | risk std | risk max | P(risk > alpha) | accept | "
-                  "prefill saved | infeasible splits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "prefill saved | guarded: saved (risk mean, splits off) | infeasible splits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sel, key=lambda r: (r["control"], r["alpha"], r["score"])):
             lines.append(f"| {r['score']} | {r['control']} | {r['alpha']} | {r['delta'] or '-'} | "
                          f"{f(r['risk_mean'])} | {f(r['risk_std'])} | {f(r['risk_max'])} | "
                          f"{f(r['frac_above_alpha'])} | {f(r['accept_rate'])} | {f(r['prefill_saved'])} | "
-                         f"{r['n_infeasible']} |")
+                         + (f"{f(r['prefill_saved_guarded'])} ({f(r['risk_mean_guarded'])}, "
+                            f"{r['guarded_fraction']:.0%}) | " if "prefill_saved_guarded" in r else "- | ")
+                         + f"{r['n_infeasible']} |")
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
