@@ -40,11 +40,16 @@ def main() -> None:
     ap.add_argument("--after", action="append", required=True, help="the current run, one per --before")
     ap.add_argument("--transfer", default="docs/results/transfer.json")
     ap.add_argument("--out", default="docs/results/cti_residual_ablation.json")
+    ap.add_argument("--before-as-workload", default=None, metavar="W",
+                    help="correlate the earlier run's indices with retention on W (a cross-workload run: statistics "
+                         "from one workload's text, retention measured on W)")
     args = ap.parse_args()
     rows = json.loads(Path(args.transfer).read_text())["results"]
     comparisons = []
     for before_ref, after_ref in zip(args.before, args.after, strict=True):
         before, after = _pairs(before_ref), _pairs(after_ref)
+        if args.before_as_workload:
+            before = [dict(p, workload=args.before_as_workload) for p in before]
         keys = {(p["sender"], p["receiver"], p["workload"]) for p in before}
         same = [p for p in after if (p["sender"], p["receiver"], p["workload"]) in keys]
         comparisons.append({"before": before_ref, "after": after_ref, "before_gcv": before[0].get("gcv", False),

@@ -119,6 +119,8 @@ def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.
                                                           rotary_dim)
     q2bar = rotation_averaged_diagonal(torch.diag_embed(q2), rotary_dim)  # [H, d]
     key_var = key_var.repeat_interleave(heads // kv_heads, 0)  # [H, d]
+    # E[ds^2] with the softmax scale 1/sqrt(head_dim); true of the four embedded models (Gemma 3's
+    # query_pre_attn_scalar equals head_dim), not of every architecture: see docs/cti.md, assumptions
     key_terms = ((q2bar * key_var).sum(-1) / head_dim).tolist()
     value_terms, spreads, energies = value_err.tolist(), spread.tolist(), energy_h.tolist()
     c = conc.tolist()

@@ -135,20 +135,29 @@ def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
         for workload in sorted({r["workload"] for r in rows if (r["sender"], r["receiver"]) == (sender, receiver)}):
             mine = [r for r in rows if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload)
                     and r.get("prefill_saved") is not None]
-            methods = [r for r in mine if _is_transfer(r["method"])]
-            controls = [r for r in mine if not _is_transfer(r["method"])]
+            # the frontier, its floor and its controls come from the rows measured on the most examples (one
+            # common set); methods measured on fewer are drawn apart (x) with their n, never joined to the line
+            n_max = max(r["n"] for r in mine)
+            common = [r for r in mine if r["n"] == n_max]
+            methods = [r for r in common if _is_transfer(r["method"])]
+            controls = [r for r in common if not _is_transfer(r["method"])]
+            fewer = [r for r in mine if r["n"] != n_max]
             pts = sorted((r["prefill_saved"], r["retention"] or 0.0, r["method"]) for r in methods)
             front = pareto_frontier([(x, y) for x, y, _ in pts])
-            line, = ax.plot([p[0] for p in front], [p[1] for p in front], "-", alpha=0.6, label=workload)
+            line, = ax.plot([p[0] for p in front], [p[1] for p in front], "-", alpha=0.6,
+                            label=f"{workload} (n={n_max})")
             color = line.get_color()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color)
             ax.plot([r["prefill_saved"] for r in controls], [r["retention"] or 0.0 for r in controls], "s",
                     mfc="none", color=color)
-            for r in methods + controls:
-                ax.annotate(r["method"], (r["prefill_saved"], r["retention"] or 0.0), fontsize=6,
+            ax.plot([r["prefill_saved"] for r in fewer], [r["retention"] or 0.0 for r in fewer], "x", color=color,
+                    alpha=0.6)
+            for r in methods + controls + fewer:
+                label = r["method"] + (f" (n={r['n']})" if r["n"] != n_max else "")
+                ax.annotate(label, (r["prefill_saved"], r["retention"] or 0.0), fontsize=6,
                             textcoords="offset points", xytext=(3, 3))
                 top = max(top, (r["retention"] or 0.0) + 0.1)
-            floor = [r for r in mine if r.get("score_no_context") is not None and r["score_full"]]
+            floor = [r for r in common if r.get("score_no_context") is not None and r["score_full"]]
             if floor:
                 ax.axhline(floor[0]["score_no_context"] / floor[0]["score_full"], ls="--", color=color, alpha=0.5)
         ax.set_xlabel("receiver prefill saved (measured)")
@@ -157,7 +166,8 @@ def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
         ax.set_xlim(-0.05, 1.05)
         ax.set_ylim(-0.05, top)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="line: frontier of transfer methods\nsquares: controls; dashed: no context",
+        ax.legend(fontsize=7, title="line: frontier of transfer methods\nsquares: controls; dashed: no context\n"
+                                    "x: measured on fewer examples (n shown)",
                   title_fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         path = plot_dir / f"frontier_{sender}__{receiver}.png"
         fig.tight_layout()
