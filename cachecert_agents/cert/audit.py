@@ -118,7 +118,7 @@ def parse_audit_record(record: Any) -> AuditRecord:
     missing = [k for k in ("sender", "receiver", "unsafe", "alpha") if k not in record]
     if missing:
         raise ValueError(f"record lacks {', '.join(missing)}")
-    if not isinstance(record["unsafe"], bool):
+    if not (isinstance(record["unsafe"], bool) or record["unsafe"] in (0, 1)):  # 0/1 from other writers too
         raise ValueError(f"unsafe must be true or false, got {record['unsafe']!r}")
     try:
         alpha = float(record["alpha"])
@@ -127,7 +127,7 @@ def parse_audit_record(record: Any) -> AuditRecord:
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
     return AuditRecord(str(record["sender"]), str(record["receiver"]), record.get("certificate_id"),
-                       str(record.get("node") or "-"), record["unsafe"], alpha)
+                       str(record.get("node") or "-"), bool(record["unsafe"]), alpha)
 
 
 def valid_audit_records(records: list[Any], source: str | Path = "audit log") -> list[AuditRecord]:
