@@ -223,15 +223,12 @@ def _positive_int(text: str) -> int:
 
 def _split_spec(text: str) -> str:
     """Checks the form of a --splits value before any model loads (argparse type); :func:`_parse_splits` resolves
-    it against the receiver's depth."""
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if part != "L" and not (float(part) >= 0 if "." in part else int(part) >= 0):
-                raise ValueError
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"split layers must be non-negative integers, fractions such as 0.5, "
-                                             f"or L; got {part!r} in {text!r}") from None
+    it against the receiver's depth (here any depth is allowed)."""
+    try:
+        _parse_splits(text, num_layers=10**6)
+    except CacheCertError as err:
+        raise argparse.ArgumentTypeError(f"{err} (split layers are non-negative integers, fractions such as 0.5, "
+                                         f"or L)") from None
     return text
 
 

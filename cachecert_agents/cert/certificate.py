@@ -179,8 +179,7 @@ def build_certificate(ids: list[str], scores: np.ndarray, unsafe: np.ndarray, *,
                       f"calibration transfers) saves {saving:.3f} of prefill on its calibration requests, not more "
                       f"than 0, so no transfer is served")
             lam = float("-inf")
-            accepted = scores <= lam
-            fit = dict(fit, accept_rate=float(accepted.mean()), empirical_risk_at_lambda=0.0)
+            fit = dict(fit, accept_rate=0.0, empirical_risk_at_lambda=0.0)
     return Certificate(
         sender=sender, receiver=receiver, pair_fingerprints=pair_fingerprints,
         mapper_fingerprint=mapper_fingerprint, workload=workload, method=method, split=split, score=score,

@@ -346,7 +346,9 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     refused one), also ``gain_mean, gain_std``: the mean test gain per split, averaged over splits (0 for a split
     whose threshold is ``-inf``: a certificate that accepts nothing is never tried). ``guard`` (needs the gains)
     applies :func:`guard_threshold` to each split's threshold on that split's calibration half; ``n_guarded``
-    counts the splits it switched off."""
+    counts the splits it switched off. With gains, the guarded rule's ``gain_mean, test_risk_mean,
+    test_risk_max, accept_rate_mean`` are also returned under ``guarded`` (same splits, one pass), whatever
+    ``guard`` is."""
     s, u = _as_arrays(scores, unsafe)
     n = s.size
     n_cal, splits = int(n_cal), int(splits)
@@ -355,12 +357,13 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     rng = np.random.default_rng(rng_seed)
-    risks, accepts, gains = [], [], []
     n_infeasible = n_guarded = 0
     ga = None if gain_accepted is None else np.asarray(gain_accepted, dtype=float)
     gr = np.zeros(n) if gain_rejected is None else np.asarray(gain_rejected, dtype=float)
     if guard and ga is None:
         raise ValueError("guard=True needs gain_accepted (and gain_rejected): the guard compares savings")
+    # per split: realised risk, acceptance and gain of the plain threshold (False) and, with gains, the guarded one
+    outcomes: dict[bool, tuple[list[float], list[float], list[float]]] = {False: ([], [], []), True: ([], [], [])}
     for _ in range(splits):
         perm = rng.permutation(n)
         cal, test = perm[:n_cal], perm[n_cal:]
@@ -372,19 +375,25 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         except InfeasibleRiskError:
             n_infeasible += 1
             continue
-        if guard:
-            guarded = guard_threshold(s[cal], lam, ga[cal], gr[cal])
-            n_guarded += guarded != lam
-            lam = guarded
-        acc = s[test] <= lam
-        risks.append(float(np.mean(acc * u[test])))
-        accepts.append(float(np.mean(acc)))
-        if ga is not None:  # a certificate that accepts nothing is never tried: no gain, no cost
-            gains.append(0.0 if lam == -np.inf else float(np.mean(np.where(acc, ga[test], gr[test]))))
+        guarded = lam if ga is None else guard_threshold(s[cal], lam, ga[cal], gr[cal])
+        n_guarded += guarded != lam
+        for use_guard, threshold in ((False, lam), (True, guarded)) if ga is not None else ((False, lam),):
+            risks, accepts, gains = outcomes[use_guard]
+            acc = s[test] <= threshold
+            risks.append(float(np.mean(acc * u[test])))
+            accepts.append(float(np.mean(acc)))
+            if ga is not None:  # a certificate that accepts nothing is never tried: no gain, no cost
+                gains.append(calibration_gain(s[test], threshold, ga[test], gr[test]))
+    risks, accepts, gains = outcomes[guard]
     r = np.asarray(risks, dtype=float)
     k = r.size
     nan = float("nan")
     std = float(np.std(r, ddof=1)) if k >= 2 else (0.0 if k == 1 else nan)
+    g_risks, g_accepts, g_gains = outcomes[True]
+    guarded_summary = {"gain_mean": float(np.mean(g_gains)) if g_gains else nan,
+                       "test_risk_mean": float(np.mean(g_risks)) if g_risks else nan,
+                       "test_risk_max": float(np.max(g_risks)) if g_risks else nan,
+                       "accept_rate_mean": float(np.mean(g_accepts)) if g_accepts else nan}
     return {
         "method": "crc" if delta is None else "ltt",
         "alpha": float(alpha),
@@ -401,6 +410,7 @@ def split_validation(scores: ArrayLike, unsafe: ArrayLike, alpha: float, n_cal: 
         "frac_risk_above_alpha": float(np.mean(r > alpha)) if k else nan,
         "accept_rate_mean": float(np.mean(accepts)) if k else nan,
         "test_risks": r,
+        **({"guarded": guarded_summary} if ga is not None else {}),
         **({"gain_mean": float(np.mean(gains)) if gains else nan,
             "gain_std": float(np.std(gains, ddof=1)) if len(gains) >= 2 else nan} if ga is not None else {}),
     }

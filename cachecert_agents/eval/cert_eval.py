@@ -224,9 +224,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
             for d in ([None] if delta is None else [None, delta]):
                 res = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits, rng_seed=seed,
                                        delta=d, gain_accepted=served, gain_rejected=refused)
-                guarded = split_validation(labelled.scores[score], labelled.unsafe, alpha, n_cal, splits,
-                                           rng_seed=seed, delta=d, gain_accepted=served, gain_rejected=refused,
-                                           guard=True)  # the same splits, each switched off when it does not pay
+                guarded = res["guarded"]  # the same splits, each switched off when it does not pay
                 feasible_splits = max(1, splits - res["n_infeasible"])
                 rows.append({
                     "sender": labelled.sender, "receiver": labelled.receiver, "workload": labelled.workload,
@@ -239,7 +237,7 @@ def validate(labelled: LabelledRequests, alphas: list[float], splits: int, delta
                     "prefill_saved": res["gain_mean"], "prefill_saved_std": res["gain_std"],
                     "prefill_saved_guarded": guarded["gain_mean"], "risk_mean_guarded": guarded["test_risk_mean"],
                     "risk_max_guarded": guarded["test_risk_max"], "accept_rate_guarded": guarded["accept_rate_mean"],
-                    "guarded_fraction": guarded["n_guarded"] / feasible_splits,
+                    "guarded_fraction": res["n_guarded"] / feasible_splits,
                     "unsafe_rate_always_transfer": float(labelled.unsafe.mean()),
                     "prefill_saved_always_transfer": always_saved,
                     "prefill_saved_perfect_score": ceiling,
