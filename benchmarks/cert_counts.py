@@ -6,6 +6,8 @@
 - **geometry against the baselines**: for each pool x method with all three scores (CRC, at ``--alpha``), whether
   the geometry score saves more prefill than both the entropy and the margin score, ties (within ``--tie``), or
   saves less; and how many rows save anything with any score.
+- **savings guard**: mean certified saving at ``--alpha`` without and with the guard, and the guarded CRC rows'
+  validity.
 
     python benchmarks/cert_counts.py --cert docs/results/cert.json --out docs/results/cert_counts.json
 """
@@ -53,6 +55,24 @@ def geometry_against_baselines(rows: list[dict], alpha: float, tie: float) -> di
             "tied": tied, "geometry_behind": behind, "rows_where_any_score_saves": positive}
 
 
+def savings_guard(rows: list[dict], alpha: float) -> dict:
+    """The savings guard's effect (CRC rows at ``alpha``, every score): mean certified saving without and with it,
+    and how many guarded CRC rows (every alpha) keep mean realised risk at or below alpha."""
+    def finite(x) -> bool:
+        return x is not None and x == x
+
+    at = [r for r in rows if r["control"] == "crc" and r["alpha"] == alpha
+          and finite(r.get("prefill_saved_guarded")) and finite(r["prefill_saved"])]
+    crc = [r for r in rows if r["control"] == "crc" and finite(r.get("risk_mean_guarded"))]
+    return {"alpha": alpha, "score_rows": len(at),
+            "mean_saved_plain": sum(r["prefill_saved"] for r in at) / max(1, len(at)),
+            "mean_saved_guarded": sum(r["prefill_saved_guarded"] for r in at) / max(1, len(at)),
+            "min_saved_guarded": min((r["prefill_saved_guarded"] for r in at), default=None),
+            "max_saved_guarded": max((r["prefill_saved_guarded"] for r in at), default=None),
+            "guarded_crc_rows": len(crc),
+            "guarded_crc_at_or_below_alpha": sum(r["risk_mean_guarded"] <= r["alpha"] + 1e-12 for r in crc)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cert", default="docs/results/cert.json")
@@ -64,7 +84,8 @@ def main() -> None:
     out = {"command": f"python benchmarks/cert_counts.py --cert {args.cert} --alpha {args.alpha} --out {args.out}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "validity": validity(rows), "geometry_against_baselines": geometry_against_baselines(rows, args.alpha,
-                                                                                                args.tie)}
+                                                                                                args.tie),
+           "savings_guard": savings_guard(rows, args.alpha)}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 
