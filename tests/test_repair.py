@@ -95,6 +95,32 @@ def test_recomputed_rows_are_exact_where_their_past_is_and_other_rows_are_untouc
         recompute_tokens(receiver, full, prompt.context_ids[:-1], start, lead)
 
 
+def test_recompute_reports_the_error_the_overwritten_rows_had(tiny_tokenizer):
+    sender, receiver, mapper = _pair("llama", tiny_tokenizer)
+    L = receiver.geometry.num_layers
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    start = prompt.context_span[0]
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    cache = transfer(receiver, prompt, feats, mapper, split=L).cache
+    before = copy.deepcopy(cache)
+    index = torch.tensor([0, 1, 2, 9, 20])
+    observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
+    assert observed.shape == (L, 2) and observed.dtype == torch.float64
+    rows = index + start
+    for layer in range(L):
+        for part, name in enumerate(("keys", "values")):
+            new, old = getattr(cache.layers[layer], name)[:, :, rows], getattr(before.layers[layer], name)[:, :, rows]
+            want = float(((new - old).double() ** 2).sum() / (new.double() ** 2).sum())
+            assert observed[layer, part].item() == pytest.approx(want, rel=1e-6)
+    assert observed.min() > 0  # the mapper is poor: every layer had an error to repair
+    # the receiver's own cache has nothing to repair; an empty index reports nothing
+    own = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
+    assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.arange(4)).max() < 1e-10
+    assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.zeros(0, dtype=torch.long)) is None
+    assert transfer(receiver, prompt, feats, mapper, split=L, recompute=0.3).observed_error.shape == (L, 2)
+    assert transfer(receiver, prompt, feats, mapper, split=L).observed_error is None
+
+
 def test_suffix_relevance_leaves_the_cache_as_it_was(tiny_tokenizer):
     sender, receiver, mapper = _pair("qwen2", tiny_tokenizer)
     prompt = receiver.format_prompt(CONTEXT, QUESTION)

@@ -46,6 +46,7 @@ class TransferResult:
     coverage: dict | None = None
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
     recomputed_index: torch.Tensor | None = None  # [r] context offsets the receiver recomputed (selective recompute)
+    observed_error: torch.Tensor | None = None  # [L, 2] relative key/value error the recomputed rows had (repair)
 
     @property
     def recomputed(self) -> int:
@@ -215,12 +216,12 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         else:
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
-    index = None
+    index = observed = None
     if recompute > 0 and split > 0:
         index = choose_tokens(receiver, cache, prompt, recompute)
-        recompute_tokens(receiver, cache, prompt.context_ids, start, index)
+        observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
     if full_length and windowed:
         cache = windowed_cache(cache, geo)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
-                          index)
+                          index, observed)

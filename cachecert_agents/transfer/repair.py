@@ -42,17 +42,31 @@ class ScatterCache:
     """The cache seen by one :func:`recompute_tokens` pass. It wraps a full cache whose layer ``l`` holds keys and
     values ``[1, kv_heads, N, head_dim]`` for every position ``0 .. N-1``; ``update`` overwrites the rows at
     ``index`` (``[r]``, the recomputed tokens' positions) with the new keys/values ``[1, kv_heads, r, head_dim]``
-    and returns the full tensors, so the chosen tokens attend to the cached rows and to each other."""
+    and returns the full tensors, so the chosen tokens attend to the cached rows and to each other.
+
+    Before overwriting, it records ``observed[l] = (|K_new - K_old|^2 / |K_new|^2, |V_new - V_old|^2 /
+    |V_new|^2)``: the relative error the transferred rows had on the recomputed tokens (RoPE is a rotation, so
+    post-RoPE keys give the pre-RoPE error)."""
 
     def __init__(self, cache: Any, index: torch.Tensor):
         self.cache, self.index = cache, index
+        self.observed: dict[int, tuple[float, float]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[layer_idx]
+        self.observed[layer_idx] = (relative_error(key_states, layer.keys[:, :, self.index]),
+                                    relative_error(value_states, layer.values[:, :, self.index]))
         layer.keys[:, :, self.index] = key_states.to(layer.keys.dtype)
         layer.values[:, :, self.index] = value_states.to(layer.values.dtype)
         return layer.keys, layer.values
+
+
+def relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
+    """``|exact - approx|^2 / |exact|^2`` over every element (float64; 0 when ``exact`` is all zeros)."""
+    exact, approx = exact.double(), approx.to(exact.device).double()
+    energy = float((exact * exact).sum())
+    return float(((exact - approx) ** 2).sum()) / energy if energy > 0 else 0.0
 
 
 def full_length_cache(cache: Any) -> Any:
@@ -169,16 +183,20 @@ def select_context(receiver: ModelHandle, cache: Any, prompt: Any, fraction: flo
 
 @torch.inference_mode()
 def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tensor, start: int,
-                     index: torch.Tensor) -> None:
+                     index: torch.Tensor) -> torch.Tensor | None:
     """Overwrite, in place, the keys/values of context tokens ``index`` (``[k]``, offsets into ``context_ids``
     ``[n]``, which sit at positions ``start .. start + n - 1`` of ``cache``) with the receiver's own, computed at
     every layer. Each chosen token attends to every cached position up to its own (the cache's rows for the
     others, the new rows for the chosen ones), so ``index = all`` reproduces the receiver's full prefill.
     ``cache`` must be full-length (:func:`full_length_cache`); on a sliding-window layer a token attends to the
-    positions within its window, as in the model's own prefill."""
+    positions within its window, as in the model's own prefill.
+
+    Returns the error the overwritten rows had, ``[num_layers, 2]`` (keys, values; :class:`ScatterCache`), or
+    None when ``index`` is empty: a measurement of this request's transfer quality that the repair gets for free
+    (the ``observed`` risk score, :mod:`cachecert_agents.cert.scores`)."""
     _check_full_length(cache)
     if index.numel() == 0:
-        return
+        return None
     total = start + int(context_ids.numel())
     if cache.get_seq_length() != total:
         raise ValueError(f"cache holds {cache.get_seq_length()} positions; expected prefix + context = {total}")
@@ -196,6 +214,8 @@ def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tenso
     if receiver.geometry.sliding_layers:  # one mask per layer type, as the model's forward accepts them
         in_window = torch.arange(total, device=receiver.device)[None, :] > positions[:, None] - window
         mask = {"full_attention": mask, "sliding_attention": additive(allowed & in_window)}
+    scatter = ScatterCache(cache, positions)
     receiver.model(input_ids=context_ids.reshape(-1)[index].reshape(1, -1).to(receiver.device),
                    position_ids=positions.reshape(1, -1), attention_mask=mask,
-                   cache=ScatterCache(cache, positions), use_cache=True, logits_to_keep=1)
+                   cache=scatter, use_cache=True, logits_to_keep=1)
+    return torch.tensor([scatter.observed[layer] for layer in range(len(cache.layers))], dtype=torch.float64)

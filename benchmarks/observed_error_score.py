@@ -1,0 +1,153 @@
+"""A risk score from the mapping error the repair itself observes, against the recorded scores, on labelled requests.
+
+Selective recompute (``+rP``) overwrites the transferred keys/values of the context tokens the request's suffix
+attends to most with the receiver's own. Just before it does, both are at hand, so the relative error the transfer
+had on those tokens (per layer, keys and values: ``|K_own - K_mapped|^2 / |K_own|^2``) is measured for this very
+request at no extra cost (:func:`cachecert_agents.transfer.repair.recompute_tokens`). The score asks whether that
+measured error ranks unsafe transfers better than the recorded scores (geometry, entropy, margin) do.
+
+Per labelled request of a pool (``cachecert eval transfer`` records with risk scores and labels), the transfer is
+redone exactly as recorded (same mapper, same method; no full prefill, no decoding) and its observed error saved
+to ``docs/results/observed_error/<pool>.jsonl`` (resumable). A determinism check compares the entropy of the
+suffix pass with the recorded one: a request whose transfer did not reproduce is dropped, not guessed.
+
+Scores (pre-registered: ``observed`` is the one compared; the others are shown as secondary and were not used to
+pick it): ``observed`` = mean over layers of (key error + value error) / 2; ``observed-keys``, ``observed-values``
+(mean over layers of one part); ``observed-max`` (largest layer). Then the same CRC split validation as
+``cachecert eval cert`` (:func:`cachecert_agents.eval.cert_eval.validate`) on the same requests and labels. Its
+cost is counted like entropy's (conservative: the observed error is known before the suffix pass).
+
+    python benchmarks/observed_error_score.py --pair qwen2.5-coder-0.5b:gemma3-270m --workload tool-results \\
+        --out docs/results/observed_error_score.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cachecert_agents.cli import write_json_atomic
+from cachecert_agents.eval.cert_eval import labelled_requests, score_auc, validate
+from cachecert_agents.eval.transfer_eval import build_mapper, parse_method, records_path
+from cachecert_agents.eval.workloads import get_workload
+from cachecert_agents.jsonl import append_jsonl, read_jsonl
+from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.transfer.apply import transfer
+from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.cert.scores import entropy_score
+
+OBSERVED = ("observed", "observed-keys", "observed-values", "observed-max")
+
+
+def observed_scores(error: np.ndarray) -> dict[str, float]:
+    """The observed-error scores of one request from its ``[layers, 2]`` relative key/value errors."""
+    return {"observed": float(error.mean()), "observed-keys": float(error[:, 0].mean()),
+            "observed-values": float(error[:, 1].mean()), "observed-max": float(error.mean(1).max())}
+
+
+def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_path: Path) -> None:
+    """Redo each labelled transfer of the pool and append its observed error to ``out_path`` (resumable)."""
+    results = Path(args.results_dir)
+    latest = {}
+    for rec in read_jsonl(records_path(results, sender_name, receiver_name, args.workload)):
+        if rec.get("method") == args.method and "risk" in rec:
+            latest[rec["id"]] = rec
+    done = {r["id"] for r in read_jsonl(out_path)}
+    todo = [i for i in sorted(latest) if i not in done][:max(0, args.n - len(done))]
+    if not todo:
+        return
+    workload = get_workload(args.workload, data=args.data)
+    examples = {e.id: e for e in workload.examples("evaluation")}
+    sender, receiver = ModelHandle.load(sender_name), ModelHandle.load(receiver_name)
+    spec = parse_method(args.method, receiver.geometry.num_layers)
+    mapper = build_mapper(sender, receiver, workload, [spec.split], args.n_calibration)
+    prefix_cache = None
+    for example_id in tqdm(todo, desc=f"observed error {sender_name}->{receiver_name} {args.workload}"):
+        ex, rec = examples[example_id], latest[example_id]
+        r_prompt = receiver.format_prompt(ex.context, ex.instruction)
+        if prefix_cache is None:
+            prefix_cache = receiver.prefill(r_prompt.prefix_ids).cache
+        feats = sender_features(sender, sender.format_prompt(ex.context, ex.instruction))
+        result = transfer(receiver, r_prompt, feats, mapper, spec.split, prefix_cache=prefix_cache,
+                          recompute=(spec.recompute or 0) / 100)
+        out = receiver.forward(r_prompt.suffix_ids, result.cache, logits_to_keep=1)
+        entropy = entropy_score(out.logits[-1])
+        append_jsonl(out_path, {
+            "id": example_id, "method": args.method, "observed_error": result.observed_error.tolist(),
+            "entropy": entropy, "entropy_recorded": rec["risk"]["entropy"],
+            "reproduced": abs(entropy - rec["risk"]["entropy"]) <= 1e-3 * max(1.0, abs(rec["risk"]["entropy"])),
+            "same_mapper": rec.get("mapper_sha256") == mapper.fingerprint, "transfer_s": result.transfer_s})
+
+
+def evaluate(args: argparse.Namespace, sender: str, receiver: str, out_path: Path) -> list[dict]:
+    """CRC split validation of the observed-error scores beside the recorded ones, on the reproduced requests."""
+    measured = {r["id"]: r for r in read_jsonl(out_path) if r["method"] == args.method}
+    labelled = labelled_requests(Path(args.results_dir), sender, receiver, args.workload)[args.method]
+    keep = [k for k, i in enumerate(labelled.ids) if i in measured and measured[i]["reproduced"]]
+    dropped = sum(1 for i in labelled.ids if i in measured and not measured[i]["reproduced"])
+    errors = [np.array(measured[labelled.ids[k]]["observed_error"]) for k in keep]
+    scores = {s: v[keep] for s, v in labelled.scores.items()}
+    for name in OBSERVED:
+        scores[name] = np.array([observed_scores(e)[name] for e in errors])
+    pool = replace(labelled, ids=[labelled.ids[k] for k in keep], scores=scores, unsafe=labelled.unsafe[keep],
+                   prefill_s=labelled.prefill_s[keep], transfer_s=labelled.transfer_s[keep],
+                   pass_s=labelled.pass_s[keep], score_s=labelled.score_s[keep])
+    names = ("geometry", "entropy", "margin", "constant") + OBSERVED
+    rows = validate(pool, args.alphas, args.splits, delta=None, scores=names)
+    summary = []
+    for row in rows:
+        summary.append({k: row[k] for k in ("sender", "receiver", "workload", "method", "alpha", "score", "n_pool",
+                                             "n_cal", "splits", "risk_mean", "risk_max", "accept_rate",
+                                             "prefill_saved", "prefill_saved_guarded", "score_auc",
+                                             "unsafe_rate_always_transfer", "prefill_saved_perfect_score")}
+                       | {"not_reproduced": dropped, "primary": row["score"] == "observed"})
+    for r in summary:
+        if r["alpha"] == 0.1:
+            print(f"{sender}->{receiver} {args.workload} {args.method} {r['score']:16} n={r['n_pool']} "
+                  f"auc={r['score_auc'] if r['score_auc'] is None else round(r['score_auc'], 3)} "
+                  f"risk={r['risk_mean']:.3f} saved={r['prefill_saved']:.3f} guarded={r['prefill_saved_guarded']:.3f}")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", required=True, help="SENDER:RECEIVER")
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--method", default="ridge-kv+r20", help="a repaired method (+rP) with labelled requests")
+    ap.add_argument("--n", type=int, default=100, help="labelled requests to measure")
+    ap.add_argument("--n-calibration", type=int, default=20, help="the mapper's calibration contexts (as recorded)")
+    ap.add_argument("--alphas", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2])
+    ap.add_argument("--splits", type=int, default=500)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--results-dir", default="docs/results/transfer")
+    ap.add_argument("--measure-dir", default="docs/results/observed_error")
+    ap.add_argument("--out", default="docs/results/observed_error_score.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if "+r" not in args.method:
+        ap.error(f"--method {args.method} is not repaired by selective recompute (+rP): nothing is observed")
+    sender, receiver = args.pair.split(":")
+    out_path = Path(args.measure_dir) / f"{sender}__{receiver}__{args.workload}__{args.method}.jsonl"
+    measure(args, sender, receiver, out_path)
+    rows = evaluate(args, sender, receiver, out_path)
+    out = Path(args.out)
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    pool = f"{sender}:{receiver} {args.workload} {args.method}"  # one pool's rows and command replace its earlier ones
+    kept = [r for r in previous.get("results", [])
+            if f"{r['sender']}:{r['receiver']} {r['workload']} {r['method']}" != pool]
+    commands = {**previous.get("commands", {}), pool: "python " + shlex.join(sys.argv)}
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_json_atomic(out, {"commands": commands, "date": date, "results": kept + rows})
+
+
+if __name__ == "__main__":
+    main()
