@@ -11,9 +11,17 @@ redone exactly as recorded (same mapper, same method; no full prefill, no decodi
 to ``docs/results/observed_error/<pool>.jsonl`` (resumable). A determinism check compares the entropy of the
 suffix pass with the recorded one: a request whose transfer did not reproduce is dropped, not guessed.
 
-Scores (pre-registered: ``observed`` is the one compared; the others are shown as secondary and were not used to
-pick it): ``observed`` = mean over layers of (key error + value error) / 2; ``observed-keys``, ``observed-values``
-(mean over layers of one part); ``observed-max`` (largest layer). Then the same CRC split validation as
+A second free signal: the repair's choosing pass runs the suffix over the *unrepaired* transfer, and the scoring
+pass over the repaired one; how far the first answer token's distribution moves between the two says how much the
+answer still depended on mapped keys/values when 20% of them were replaced, i.e. how much the remaining 80% may
+still matter.
+
+Scores (each family's first is pre-registered as the one compared; the others are shown as secondary and were not
+used to pick it): ``observed`` = mean over layers of (key error + value error) / 2; ``observed-keys``,
+``observed-values`` (mean over layers of one part); ``observed-max`` (largest layer). ``repair-shift`` = total
+variation distance between the two first-token distributions; ``repair-kl`` = KL(repaired || unrepaired);
+``repair-top1`` = 1 if the most likely token changed, else 0. (The repair-shift family was added after the first 25
+requests of the first pool showed the observed-error family ranking below chance there.) Then the same CRC split validation as
 ``cachecert eval cert`` (:func:`cachecert_agents.eval.cert_eval.validate`) on the same requests and labels. Its
 cost is counted like entropy's (conservative: the observed error is known before the suffix pass).
 
@@ -33,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
@@ -45,13 +54,25 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.cert.scores import entropy_score
 
-OBSERVED = ("observed", "observed-keys", "observed-values", "observed-max")
+OBSERVED = ("observed", "observed-keys", "observed-values", "observed-max", "repair-shift", "repair-kl",
+            "repair-top1")
 
 
-def observed_scores(error: np.ndarray) -> dict[str, float]:
-    """The observed-error scores of one request from its ``[layers, 2]`` relative key/value errors."""
+def observed_scores(row: dict) -> dict[str, float]:
+    """The candidate scores of one measured request (its ``[layers, 2]`` relative key/value errors and the shift of
+    its first-token distribution under the repair)."""
+    error = np.array(row["observed_error"])
     return {"observed": float(error.mean()), "observed-keys": float(error[:, 0].mean()),
-            "observed-values": float(error[:, 1].mean()), "observed-max": float(error.mean(1).max())}
+            "observed-values": float(error[:, 1].mean()), "observed-max": float(error.mean(1).max()),
+            "repair-shift": row["repair_tv"], "repair-kl": row["repair_kl"], "repair-top1": float(row["repair_top1"])}
+
+
+def distribution_shift(before: torch.Tensor, after: torch.Tensor) -> dict[str, float]:
+    """Total variation, KL(after || before) (nats) and whether the argmax changed, between ``softmax`` of two
+    logit vectors ``[vocab]``."""
+    lp, lq = torch.log_softmax(after.double(), -1), torch.log_softmax(before.double(), -1)
+    return {"repair_tv": float((lp.exp() - lq.exp()).abs().sum() / 2), "repair_kl": float((lp.exp() * (lp - lq)).sum()),
+            "repair_top1": bool(after.argmax() != before.argmax())}
 
 
 def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_path: Path) -> None:
@@ -61,7 +82,7 @@ def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_
     for rec in read_jsonl(records_path(results, sender_name, receiver_name, args.workload)):
         if rec.get("method") == args.method and "risk" in rec:
             latest[rec["id"]] = rec
-    done = {r["id"] for r in read_jsonl(out_path)}
+    done = {r["id"] for r in read_jsonl(out_path) if "repair_tv" in r}
     todo = [i for i in sorted(latest) if i not in done][:max(0, args.n - len(done))]
     if not todo:
         return
@@ -83,6 +104,7 @@ def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_
         entropy = entropy_score(out.logits[-1])
         append_jsonl(out_path, {
             "id": example_id, "method": args.method, "observed_error": result.observed_error.tolist(),
+            **distribution_shift(result.unrepaired_logits, out.logits[-1]),
             "entropy": entropy, "entropy_recorded": rec["risk"]["entropy"],
             "reproduced": abs(entropy - rec["risk"]["entropy"]) <= 1e-3 * max(1.0, abs(rec["risk"]["entropy"])),
             "same_mapper": rec.get("mapper_sha256") == mapper.fingerprint, "transfer_s": result.transfer_s})
@@ -90,14 +112,14 @@ def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_
 
 def evaluate(args: argparse.Namespace, sender: str, receiver: str, out_path: Path) -> list[dict]:
     """CRC split validation of the observed-error scores beside the recorded ones, on the reproduced requests."""
-    measured = {r["id"]: r for r in read_jsonl(out_path) if r["method"] == args.method}
+    measured = {r["id"]: r for r in read_jsonl(out_path) if r["method"] == args.method and "repair_tv" in r}
     labelled = labelled_requests(Path(args.results_dir), sender, receiver, args.workload)[args.method]
     keep = [k for k, i in enumerate(labelled.ids) if i in measured and measured[i]["reproduced"]]
     dropped = sum(1 for i in labelled.ids if i in measured and not measured[i]["reproduced"])
-    errors = [np.array(measured[labelled.ids[k]]["observed_error"]) for k in keep]
+    candidates = [observed_scores(measured[labelled.ids[k]]) for k in keep]
     scores = {s: v[keep] for s, v in labelled.scores.items()}
     for name in OBSERVED:
-        scores[name] = np.array([observed_scores(e)[name] for e in errors])
+        scores[name] = np.array([c[name] for c in candidates])
     pool = replace(labelled, ids=[labelled.ids[k] for k in keep], scores=scores, unsafe=labelled.unsafe[keep],
                    prefill_s=labelled.prefill_s[keep], transfer_s=labelled.transfer_s[keep],
                    pass_s=labelled.pass_s[keep], score_s=labelled.score_s[keep])
@@ -109,7 +131,7 @@ def evaluate(args: argparse.Namespace, sender: str, receiver: str, out_path: Pat
                                              "n_cal", "splits", "risk_mean", "risk_max", "accept_rate",
                                              "prefill_saved", "prefill_saved_guarded", "score_auc",
                                              "unsafe_rate_always_transfer", "prefill_saved_perfect_score")}
-                       | {"not_reproduced": dropped, "primary": row["score"] == "observed"})
+                       | {"not_reproduced": dropped, "primary": row["score"] in ("observed", "repair-shift")})
     for r in summary:
         if r["alpha"] == 0.1:
             print(f"{sender}->{receiver} {args.workload} {args.method} {r['score']:16} n={r['n_pool']} "

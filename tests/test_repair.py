@@ -117,8 +117,13 @@ def test_recompute_reports_the_error_the_overwritten_rows_had(tiny_tokenizer):
     own = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.arange(4)).max() < 1e-10
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.zeros(0, dtype=torch.long)) is None
-    assert transfer(receiver, prompt, feats, mapper, split=L, recompute=0.3).observed_error.shape == (L, 2)
-    assert transfer(receiver, prompt, feats, mapper, split=L).observed_error is None
+    repaired = transfer(receiver, prompt, feats, mapper, split=L, recompute=0.3)
+    assert repaired.observed_error.shape == (L, 2)
+    pure = transfer(receiver, prompt, feats, mapper, split=L)
+    assert pure.observed_error is None and pure.unrepaired_logits is None
+    # the choosing pass ran the suffix over the unrepaired transfer: its logits are the pure transfer's
+    want = receiver.continue_from(pure.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
+    torch.testing.assert_close(repaired.unrepaired_logits, want, atol=1e-4, rtol=1e-4)
 
 
 def test_suffix_relevance_leaves_the_cache_as_it_was(tiny_tokenizer):

@@ -32,7 +32,8 @@ from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
 from cachecert_agents.transfer.features import SenderFeatures, alignment_for, rms_normalise, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import choose_tokens, full_length_cache, recompute_tokens, windowed_cache
+from cachecert_agents.transfer.repair import (full_length_cache, recompute_tokens, select_chunks, suffix_pass_relevance,
+                                               windowed_cache)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class TransferResult:
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
     recomputed_index: torch.Tensor | None = None  # [r] context offsets the receiver recomputed (selective recompute)
     observed_error: torch.Tensor | None = None  # [L, 2] relative key/value error the recomputed rows had (repair)
+    unrepaired_logits: torch.Tensor | None = None  # [vocab] the suffix's last logits on the cache before repair
 
     @property
     def recomputed(self) -> int:
@@ -216,12 +218,13 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         else:
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
-    index = observed = None
-    if recompute > 0 and split > 0:
-        index = choose_tokens(receiver, cache, prompt, recompute)
+    index = observed = unrepaired = None
+    if recompute > 0 and split > 0:  # choose_tokens, keeping the choosing pass's logits
+        relevance, unrepaired = suffix_pass_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)
+        index = select_chunks(relevance, recompute)
         observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
     if full_length and windowed:
         cache = windowed_cache(cache, geo)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
-                          index, observed)
+                          index, observed, unrepaired)

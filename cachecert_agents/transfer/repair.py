@@ -8,7 +8,8 @@ by position) to the transferred keys/values of the rest. Here the tokens are cho
 receiver runs its suffix (question, instruction) once over the transferred cache, and the context chunks that the
 suffix's queries attend to most are recomputed. Work: about ``r`` of a context prefill, plus one suffix pass.
 
-- :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache;
+- :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache
+  (:func:`suffix_pass_relevance` also keeps that pass's last logits);
 - :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
   :func:`choose_tokens` is the two together;
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
@@ -110,14 +111,16 @@ def _check_full_length(cache: Any) -> None:
 
 
 @torch.inference_mode()
-def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
-                     span: tuple[int, int]) -> torch.Tensor:
+def suffix_pass_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
+                          span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """How much the request's suffix ``[m]`` attends to each context token ``[n = end - start]`` of ``cache``
     (the transferred cache over ``prefix + context``, length ``end``): per layer, the largest attention weight any
     head and suffix token puts on the token, summed over layers. The maximum over heads singles out the sharp
     (retrieval) heads; a plain sum is dominated by attention sinks (frequent function words), which every head
-    touches a little. The suffix pass is undone afterwards (the cache is cropped back to ``end``). ``cache`` must be
-    full-length (:func:`full_length_cache`); on sliding-window layers the suffix sees its window only, as usual."""
+    touches a little. Also returns the pass's last logits ``[vocab]`` (the first answer token's distribution on
+    this cache, before any repair). The suffix pass is undone afterwards (the cache is cropped back to ``end``).
+    ``cache`` must be full-length (:func:`full_length_cache`); on sliding-window layers the suffix sees its window
+    only, as usual."""
     _check_full_length(cache)
     start, end = span
     out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
@@ -126,7 +129,13 @@ def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor
     for weights in out.attentions:  # [heads, m, total]
         relevance += context_attention(weights, span, total).double().amax((0, 1)).cpu()
     cache.crop(-int(suffix_ids.numel()))
-    return relevance
+    return relevance, out.logits[-1]
+
+
+def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
+                     span: tuple[int, int]) -> torch.Tensor:
+    """The relevance ``[n]`` of :func:`suffix_pass_relevance` alone."""
+    return suffix_pass_relevance(receiver, cache, suffix_ids, span)[0]
 
 
 def lexical_relevance(context_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor:
