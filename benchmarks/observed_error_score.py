@@ -21,7 +21,11 @@ used to pick it): ``observed`` = mean over layers of (key error + value error) /
 ``observed-values`` (mean over layers of one part); ``observed-max`` (largest layer). ``repair-shift`` = total
 variation distance between the two first-token distributions; ``repair-kl`` = KL(repaired || unrepaired);
 ``repair-top1`` = 1 if the most likely token changed, else 0. (The repair-shift family was added after the first 25
-requests of the first pool showed the observed-error family ranking below chance there.) Then the same CRC split validation as
+requests of the first pool showed the observed-error family ranking below chance there.) On the whole first pool
+(Qwen 0.5B -> Gemma 3, tool-results) both families ranked *below* chance (AUC 0.41-0.47): a large shift went with
+a safe answer. The reversed orientation, ``repair-unmoved`` = 1 - total variation (a distribution the repair barely
+moved = risky), was then added as a hypothesis to be judged on the *other* pools only (its AUC on the first pool is
+the mirror of repair-shift's and proves nothing). Then the same CRC split validation as
 ``cachecert eval cert`` (:func:`cachecert_agents.eval.cert_eval.validate`) on the same requests and labels. Its
 cost is counted like entropy's (conservative: the observed error is known before the suffix pass).
 
@@ -55,7 +59,7 @@ from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.cert.scores import entropy_score
 
 OBSERVED = ("observed", "observed-keys", "observed-values", "observed-max", "repair-shift", "repair-kl",
-            "repair-top1")
+            "repair-top1", "repair-unmoved")
 
 
 def observed_scores(row: dict) -> dict[str, float]:
@@ -64,7 +68,8 @@ def observed_scores(row: dict) -> dict[str, float]:
     error = np.array(row["observed_error"])
     return {"observed": float(error.mean()), "observed-keys": float(error[:, 0].mean()),
             "observed-values": float(error[:, 1].mean()), "observed-max": float(error.mean(1).max()),
-            "repair-shift": row["repair_tv"], "repair-kl": row["repair_kl"], "repair-top1": float(row["repair_top1"])}
+            "repair-shift": row["repair_tv"], "repair-kl": row["repair_kl"], "repair-top1": float(row["repair_top1"]),
+            "repair-unmoved": 1.0 - row["repair_tv"]}
 
 
 def distribution_shift(before: torch.Tensor, after: torch.Tensor) -> dict[str, float]:
