@@ -1,15 +1,20 @@
 """A risk score from the mapping error the repair itself observes, against the recorded scores, on labelled requests.
 
 Selective recompute (``+rP``) overwrites the transferred keys/values of the context tokens the request's suffix
-attends to most with the receiver's own. Just before it does, both are at hand, so the relative error the transfer
-had on those tokens (per layer, keys and values: ``|K_own - K_mapped|^2 / |K_own|^2``) is measured for this very
-request at no extra cost (:func:`cachecert_agents.transfer.repair.recompute_tokens`). The score asks whether that
+attends to most with rows the receiver computes itself. Just before it does, both are at hand, so the relative
+distance between them on those tokens (per layer, keys and values: ``|K_rep - K_mapped|^2 / |K_rep|^2``) is
+measured for this very request at no extra cost. ``K_rep`` is the repaired row, not the receiver's full-prefill
+row: from layer 1 up the recomputed tokens also attend to the transferred rows of the tokens not chosen, so the
+measure mixes the mapping error with the error it propagates (:func:`cachecert_agents.transfer.repair.recompute_tokens`). The score asks whether that
 measured error ranks unsafe transfers better than the recorded scores (geometry, entropy, margin) do.
 
 Per labelled request of a pool (``cachecert eval transfer`` records with risk scores and labels), the transfer is
 redone exactly as recorded (same mapper, same method; no full prefill, no decoding) and its observed error saved
 to ``docs/results/observed_error/<pool>.jsonl`` (resumable). A determinism check compares the entropy of the
-suffix pass with the recorded one: a request whose transfer did not reproduce is dropped, not guessed.
+suffix pass with the recorded one: a request whose transfer did not reproduce is dropped, not guessed. The
+unrepaired logits come from the choosing pass, which runs eager attention (it needs the weights); the repaired ones
+from the default (SDPA) pass: identical up to float32 rounding on CPU, but on a GPU in bf16 the difference adds
+noise to the shift scores.
 
 A second free signal: the repair's choosing pass runs the suffix over the *unrepaired* transfer, and the scoring
 pass over the repaired one; how far the first answer token's distribution moves between the two says how much the
@@ -95,6 +100,8 @@ def measure(args: argparse.Namespace, sender_name: str, receiver_name: str, out_
     examples = {e.id: e for e in workload.examples("evaluation")}
     sender, receiver = ModelHandle.load(sender_name), ModelHandle.load(receiver_name)
     spec = parse_method(args.method, receiver.geometry.num_layers)
+    if not spec.recompute or spec.split == 0:
+        raise SystemExit(f"--method {args.method}: the observed error needs a repaired transfer (a +rP method)")
     mapper = build_mapper(sender, receiver, workload, [spec.split], args.n_calibration)
     prefix_cache = None
     for example_id in tqdm(todo, desc=f"observed error {sender_name}->{receiver_name} {args.workload}"):
@@ -119,7 +126,8 @@ def evaluate(args: argparse.Namespace, sender: str, receiver: str, out_path: Pat
     """CRC split validation of the observed-error scores beside the recorded ones, on the reproduced requests."""
     measured = {r["id"]: r for r in read_jsonl(out_path) if r["method"] == args.method and "repair_tv" in r}
     labelled = labelled_requests(Path(args.results_dir), sender, receiver, args.workload)[args.method]
-    keep = [k for k, i in enumerate(labelled.ids) if i in measured and measured[i]["reproduced"]]
+    keep = [k for k, i in enumerate(labelled.ids)
+            if i in measured and measured[i]["reproduced"] and measured[i].get("same_mapper", True)]
     dropped = sum(1 for i in labelled.ids if i in measured and not measured[i]["reproduced"])
     candidates = [observed_scores(measured[labelled.ids[k]]) for k in keep]
     scores = {s: v[keep] for s, v in labelled.scores.items()}

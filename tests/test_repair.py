@@ -118,8 +118,11 @@ def test_recompute_reports_the_error_the_overwritten_rows_had(tiny_tokenizer):
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.arange(4)).max() < 1e-10
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.zeros(0, dtype=torch.long)) is None
     repaired = transfer(receiver, prompt, feats, mapper, split=L, recompute=0.3)
-    assert repaired.observed_error.shape == (L, 2)
     pure = transfer(receiver, prompt, feats, mapper, split=L)
+    # the transfer reports what recompute_tokens measures on the pure transfer's cache for the chosen tokens
+    direct = recompute_tokens(receiver, copy.deepcopy(pure.cache), prompt.context_ids, start,
+                              repaired.recomputed_index)
+    torch.testing.assert_close(repaired.observed_error, direct, atol=1e-8, rtol=1e-4)
     assert pure.observed_error is None and pure.unrepaired_logits is None
     # the choosing pass ran the suffix over the unrepaired transfer: its logits are the pure transfer's
     want = receiver.continue_from(pure.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]

@@ -47,7 +47,7 @@ class TransferResult:
     coverage: dict | None = None
     features: SenderFeatures | None = None  # the sender features on the receiver's context tokens
     recomputed_index: torch.Tensor | None = None  # [r] context offsets the receiver recomputed (selective recompute)
-    observed_error: torch.Tensor | None = None  # [L, 2] relative key/value error the recomputed rows had (repair)
+    observed_error: torch.Tensor | None = None  # [L, 2] relative distance, transferred to repaired rows (k, v)
     unrepaired_logits: torch.Tensor | None = None  # [vocab] the suffix's last logits on the cache before repair
 
     @property

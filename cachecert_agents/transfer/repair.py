@@ -45,29 +45,47 @@ class ScatterCache:
     ``index`` (``[r]``, the recomputed tokens' positions) with the new keys/values ``[1, kv_heads, r, head_dim]``
     and returns the full tensors, so the chosen tokens attend to the cached rows and to each other.
 
-    Before overwriting, it records ``observed[l] = (|K_new - K_old|^2 / |K_new|^2, |V_new - V_old|^2 /
-    |V_new|^2)``: the relative error the transferred rows had on the recomputed tokens (RoPE is a rotation, so
-    post-RoPE keys give the pre-RoPE error)."""
+    Before overwriting, it records ``observed[l]``, the squared distance between the new and the old rows and the
+    new rows' energy for keys and values (``[4]``, on the cache's device, so the forward pass is not synchronised
+    per layer; :func:`relative_errors` turns them into ratios). The new rows are the repaired ones, not the
+    receiver's full-prefill rows: from layer 1 up a recomputed token also attends to the transferred rows of the
+    tokens not chosen, so only layer 0 (and any layer the receiver computed itself) compares against exact rows.
+    RoPE is a rotation, so post-RoPE keys give the pre-RoPE distance."""
 
     def __init__(self, cache: Any, index: torch.Tensor):
         self.cache, self.index = cache, index
-        self.observed: dict[int, tuple[float, float]] = {}
+        self.observed: dict[int, torch.Tensor] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[layer_idx]
-        self.observed[layer_idx] = (relative_error(key_states, layer.keys[:, :, self.index]),
-                                    relative_error(value_states, layer.values[:, :, self.index]))
+        self.observed[layer_idx] = torch.cat([squared_distance(key_states, layer.keys[:, :, self.index]),
+                                              squared_distance(value_states, layer.values[:, :, self.index])])
         layer.keys[:, :, self.index] = key_states.to(layer.keys.dtype)
         layer.values[:, :, self.index] = value_states.to(layer.values.dtype)
         return layer.keys, layer.values
 
 
-def relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
-    """``|exact - approx|^2 / |exact|^2`` over every element (float64; 0 when ``exact`` is all zeros)."""
-    exact, approx = exact.double(), approx.to(exact.device).double()
-    energy = float((exact * exact).sum())
-    return float(((exact - approx) ** 2).sum()) / energy if energy > 0 else 0.0
+def squared_distance(reference: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """``[|reference - approx|^2, |reference|^2]`` over every element, on ``reference``'s device (float64 where
+    the device has it, float32 on MPS)."""
+    dtype = torch.float32 if reference.device.type == "mps" else torch.float64
+    reference, approx = reference.to(dtype), approx.to(reference.device, dtype)
+    return torch.stack([((reference - approx) ** 2).sum(), (reference * reference).sum()])
+
+
+def relative_errors(observed: dict[int, torch.Tensor], num_layers: int) -> torch.Tensor:
+    """``[num_layers, 2]`` float64 on the CPU: per layer, ``|new - old|^2 / |new|^2`` of keys and of values from
+    :class:`ScatterCache`'s ``observed`` (0 where the new rows are all zeros). Raises a ValueError naming the
+    layers the pass did not write (a model whose layers share or skip the cache)."""
+    missing = [layer for layer in range(num_layers) if layer not in observed]
+    if missing:
+        raise ValueError(f"the recompute pass wrote no keys/values at layers {missing}; the observed error is "
+                         f"undefined there")
+    sums = torch.stack([observed[layer] for layer in range(num_layers)]).cpu().double().reshape(num_layers, 2, 2)
+    distance, energy = sums[..., 0], sums[..., 1]
+    return torch.where(energy > 0, distance / energy.clamp_min(torch.finfo(torch.float64).tiny),
+                       torch.zeros_like(energy))
 
 
 def full_length_cache(cache: Any) -> Any:
@@ -127,7 +145,7 @@ def suffix_pass_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.T
     total = end + int(suffix_ids.numel())
     relevance = torch.zeros(end - start, dtype=torch.float64)
     for weights in out.attentions:  # [heads, m, total]
-        relevance += context_attention(weights, span, total).double().amax((0, 1)).cpu()
+        relevance += context_attention(weights, span, total).float().amax((0, 1)).cpu().double()
     cache.crop(-int(suffix_ids.numel()))
     return relevance, out.logits[-1]
 
@@ -200,9 +218,10 @@ def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tenso
     ``cache`` must be full-length (:func:`full_length_cache`); on a sliding-window layer a token attends to the
     positions within its window, as in the model's own prefill.
 
-    Returns the error the overwritten rows had, ``[num_layers, 2]`` (keys, values; :class:`ScatterCache`), or
-    None when ``index`` is empty: a measurement of this request's transfer quality that the repair gets for free
-    (the ``observed`` risk score, :mod:`cachecert_agents.cert.scores`)."""
+    Returns how far the overwritten rows were from the repaired ones, ``[num_layers, 2]`` (keys, values;
+    :class:`ScatterCache`, :func:`relative_errors`), or None when ``index`` is empty: a per-request measurement
+    the repair gets for free (``TransferResult.observed_error``). It is not a certificate score: as one it
+    ranked unsafe transfers no better than chance (``benchmarks/observed_error_score.py``, docs/cert.md)."""
     _check_full_length(cache)
     if index.numel() == 0:
         return None
@@ -227,4 +246,4 @@ def recompute_tokens(receiver: ModelHandle, cache: Any, context_ids: torch.Tenso
     receiver.model(input_ids=context_ids.reshape(-1)[index].reshape(1, -1).to(receiver.device),
                    position_ids=positions.reshape(1, -1), attention_mask=mask,
                    cache=scatter, use_cache=True, logits_to_keep=1)
-    return torch.tensor([scatter.observed[layer] for layer in range(len(cache.layers))], dtype=torch.float64)
+    return relative_errors(scatter.observed, len(cache.layers))
