@@ -166,6 +166,9 @@ def test_sliding_window_receiver_r1_reproduces_the_full_prefill_and_keeps_its_ca
     # a partial repair hands back the receiver's layout too, and the unwindowed transfer answers the same
     part = transfer(receiver, prompt, feats, mapper, split=geo.num_layers, recompute=0.3)
     assert [type(x) for x in part.cache.layers] == [type(x) for x in native.layers]
+    # its measurements: every layer's distance (sliding ones included) and the unrepaired transfer's logits
+    assert part.observed_error.shape == (geo.num_layers, 2) and bool((part.observed_error > 0).all())
+    torch.testing.assert_close(part.unrepaired_logits, off, atol=1e-4, rtol=1e-4)
     plain = transfer(receiver, prompt, feats, mapper, split=geo.num_layers, windowed=False)
     assert all(x.keys.shape[-2] == prompt.context_span[1] for x in plain.cache.layers)
     same = receiver.continue_from(plain.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
