@@ -5,8 +5,9 @@ attends to most with rows the receiver computes itself. Just before it does, bot
 distance between them on those tokens (per layer, keys and values: ``|K_rep - K_mapped|^2 / |K_rep|^2``) is
 measured for this very request at no extra cost. ``K_rep`` is the repaired row, not the receiver's full-prefill
 row: from layer 1 up the recomputed tokens also attend to the transferred rows of the tokens not chosen, so the
-measure mixes the mapping error with the error it propagates (:func:`cachecert_agents.transfer.repair.recompute_tokens`). The score asks whether that
-measured error ranks unsafe transfers better than the recorded scores (geometry, entropy, margin) do.
+measure mixes the mapping error with the error it propagates
+(:func:`cachecert_agents.transfer.repair.recompute_tokens`). The score asks whether that measured error ranks
+unsafe transfers better than the recorded scores (geometry, entropy, margin) do.
 
 Per labelled request of a pool (``cachecert eval transfer`` records with risk scores and labels), the transfer is
 redone exactly as recorded (same mapper, same method; no full prefill, no decoding) and its observed error saved

@@ -118,6 +118,7 @@ def test_recompute_reports_the_error_the_overwritten_rows_had(tiny_tokenizer):
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.arange(4)).max() < 1e-10
     assert recompute_tokens(receiver, own, prompt.context_ids, start, torch.zeros(0, dtype=torch.long)) is None
     repaired = transfer(receiver, prompt, feats, mapper, split=L, recompute=0.3)
+    assert repaired.observed_error.shape == (L, 2)
     pure = transfer(receiver, prompt, feats, mapper, split=L)
     # the transfer reports what recompute_tokens measures on the pure transfer's cache for the chosen tokens
     direct = recompute_tokens(receiver, copy.deepcopy(pure.cache), prompt.context_ids, start,

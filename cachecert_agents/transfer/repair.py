@@ -84,8 +84,7 @@ def relative_errors(observed: dict[int, torch.Tensor], num_layers: int) -> torch
                          f"undefined there")
     sums = torch.stack([observed[layer] for layer in range(num_layers)]).cpu().double().reshape(num_layers, 2, 2)
     distance, energy = sums[..., 0], sums[..., 1]
-    return torch.where(energy > 0, distance / energy.clamp_min(torch.finfo(torch.float64).tiny),
-                       torch.zeros_like(energy))
+    return distance / energy.masked_fill(energy == 0, float("inf"))  # all-zero rows: 0
 
 
 def full_length_cache(cache: Any) -> Any:
