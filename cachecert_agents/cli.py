@@ -310,6 +310,14 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                 loaded[name] = ModelHandle.load(name, device=args.device)
         return loaded[pair[0]], loaded[pair[1]]
 
+    if args.offset < 0:
+        raise ValueError(f"--offset must be 0 or more, got {args.offset}")
+    summary = args.summary
+    if args.offset and summary:
+        logger.info("--offset %d: rows of examples %d-%d alone are not merged into %s; run `cachecert eval "
+                    "summarise --n %d` for rows over every example", args.offset, args.offset,
+                    args.offset + args.n - 1, summary, args.offset + args.n)
+        summary = None
     all_rows = []
     for pair in pairs:
         sender, receiver = load_pair(pair)
@@ -326,9 +334,9 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                                               Path(args.results_dir), scorer=scorer,
                                               controls=not args.no_controls, recompute=args.recompute,
                                               recompute_splits=_recompute_splits(args, splits, receiver),
-                                              transfers=not args.controls_only)
+                                              transfers=not args.controls_only, offset=args.offset)
             all_rows += _finish_transfer_rows(summarise(records, full), workload, args.n_calibration,
-                                              args.summary, args.json)
+                                              summary, args.json)
     _emit(all_rows, args.json)
     return 0
 
@@ -1011,6 +1019,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("transfer", help="full prefill vs transfer on the same examples, with controls")
     _add_pair_args(p)
     p.add_argument("--n", type=int, default=100, help="evaluation examples")
+    p.add_argument("--offset", type=int, default=0,
+                   help="start at this evaluation example (e.g. --offset 100 --n 50: examples 100-149); the summary "
+                        "is then left alone: rebuild it with `eval summarise --n OFFSET+N`")
     p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "

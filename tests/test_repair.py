@@ -229,3 +229,23 @@ def test_cost_benchmark_times_recompute_methods(tiny_tokenizer):
     rows = transfer_cost(sender, receiver, mapper, [L], [60], repeats=1, recompute=(25,))
     assert [r["method"] for r in rows] == ["ridge-kv", "ridge-kv+r25"]
     assert all(r["transfer_s_median"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_evaluation_offset_runs_later_examples_only(tiny_tokenizer, tmp_path):
+    """``offset`` (``eval transfer --offset``) starts at a later evaluation example; the examples before it are
+    neither run nor returned, and the same results folder then holds both runs."""
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer
+    from tests.conftest import tiny_workload
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
+    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT, CONTEXT.lower()], n_calibration=3)
+    L = receiver.geometry.num_layers
+    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    later, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                    progress=False, offset=1, transfers=False)
+    assert {r["id"] for r in later} == {r["id"] for r in full} == {"4"}
+    both, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=2, results_dir=tmp_path / "r",
+                                progress=False, transfers=False)
+    assert {r["id"] for r in both} == {"3", "4"}
+

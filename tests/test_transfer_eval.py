@@ -195,3 +195,12 @@ def test_recorded_pools_lists_records_files_only(tmp_path):
     (tmp_path / "notes.jsonl").write_text("")
     assert recorded_pools(tmp_path) == [("a", "b", "c"), ("s", "r", "w")]
     assert records_path(tmp_path, "s", "r", "w").exists()
+
+
+def test_eval_transfer_refuses_a_negative_offset_before_loading_models(capsys):
+    from cachecert_agents.cli import main
+
+    assert main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa",
+                 "--offset", "-1"]) == 2
+    assert "--offset must be 0 or more" in capsys.readouterr().err
+
