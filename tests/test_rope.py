@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cachecert_agents.kv.rope import apply_rope, remove_rope, rope_tables
+from cachecert_agents.kv.rope import apply_rope, exact_dtype, remove_rope, rope_tables
 from cachecert_agents.models.geometry import RopeSpec
 
 
@@ -44,3 +44,15 @@ def test_rotation_preserves_relative_dot_products():
         return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
     assert dot(30, 10) == pytest.approx(dot(250, 230), abs=1e-4)
     assert dot(30, 10) != pytest.approx(dot(30, 20), abs=1e-3)
+
+
+def test_exact_dtype_is_float64_except_on_mps():
+    """remove_rope computes in float64 where the device has it; Apple's MPS has none, so it gets float32 there
+    (no MPS device here: the choice is tested, the MPS run is not)."""
+    assert exact_dtype("cpu") == torch.float64
+    assert exact_dtype(torch.device("cuda", 0)) == torch.float64
+    assert exact_dtype("mps") == torch.float32
+    spec = _spec()
+    x = torch.randn(2, 40, 16)
+    cos, sin = rope_tables(spec, torch.arange(40))
+    assert remove_rope(apply_rope(x, cos, sin), cos, sin).dtype == x.dtype

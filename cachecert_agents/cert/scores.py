@@ -126,13 +126,13 @@ def kv_error_terms(res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, w
 
 def entropy_score(logits: torch.Tensor) -> float:
     """Entropy (nats) of ``softmax(logits)``, ``logits`` ``[vocab]``."""
-    logp = torch.log_softmax(logits.double(), -1)
+    logp = torch.log_softmax(logits.detach().cpu().double(), -1)  # float64 on the CPU (MPS has none)
     return float(-(logp.exp() * logp).sum())
 
 
 def margin_score(logits: torch.Tensor) -> float:
     """``1 - (p1 - p2)`` for the two most likely tokens: 0 = certain, 1 = a tie."""
-    top = torch.softmax(logits.double(), -1).topk(2).values
+    top = torch.softmax(logits.detach().cpu().double(), -1).topk(2).values
     return float(1 - (top[0] - top[1]))
 
 

@@ -64,9 +64,9 @@ def attention_output_cosines(sender: ModelHandle, receiver: ModelHandle, mapper:
     cosines = []
     for layer in range(geo.num_layers):
         cos, sin = rope_tables(geo.rope_for_layer(layer), positions)
-        q = apply_rope(cap.query(layer)[0].double(), cos, sin)
-        k = apply_rope(cap.key(layer)[0].double(), cos, sin)
-        v = cap.value(layer)[0].double()
+        q = apply_rope(cap.query(layer)[0].cpu().double(), cos, sin)  # float64 on the CPU
+        k = apply_rope(cap.key(layer)[0].cpu().double(), cos, sin)
+        v = cap.value(layer)[0].cpu().double()
         k_map, v_map = mapped_kv(receiver, mapper, feats, layer, positions[start:end])
         k2, v2 = k.clone(), v.clone()
         k2[:, start:end], v2[:, start:end] = k_map[0].double().cpu(), v_map[0].double().cpu()

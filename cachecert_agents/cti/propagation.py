@@ -77,7 +77,8 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
             raise ValueError("the clean targets given do not match the contexts (token count or split layers)")
         for s in splits:
             noise = torch.randn(n, factors[s].shape[0], generator=gen, dtype=torch.float64) @ factors[s].T
-            stream = (truth.hidden[s].double() + noise).to(receiver.device)[None]
+            # float64 stays on the CPU (MPS has none); the receiver reads the stream in its own dtype
+            stream = (truth.hidden[s].double() + noise).to(receiver.device, receiver.model.dtype)[None]
             stubs = {}
             for layer in range(s):  # exact keys/values below the split: only the recomputed layers are measured
                 k, v = unflatten_kv(truth.kv[layer].to(receiver.device), geo.num_kv_heads, geo.head_dim)
@@ -89,7 +90,7 @@ def propagated_error_moments(receiver: ModelHandle, contexts: Iterable[tuple[str
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
             for layer in range(s, geo.num_layers):
                 perturbed = flatten_kv(cap.key(layer), cap.value(layer))  # [n, 2 Hk d]
-                err = (perturbed.double() - truth.kv[layer].double()).cpu()
+                err = perturbed.cpu().double() - truth.kv[layer].double()
                 moments[s][layer] += err.T @ err
         n_tokens += n
     if n_tokens == 0:

@@ -85,7 +85,8 @@ class QueryAccumulator:
         positions = torch.arange(end)
         rows = torch.linspace(start, end - 1, min(self.sample_queries, end - start)).round().long().unique()
         for layer in range(geo.num_layers):
-            q, k = capture.query(layer)[0].double(), capture.key(layer)[0].double()  # [H, end, d], [Hk, end, d]
+            # [H, end, d], [Hk, end, d]; float64 on the CPU, wherever the receiver runs (MPS has no float64)
+            q, k = capture.query(layer)[0].cpu().double(), capture.key(layer)[0].cpu().double()
             self.q2[layer] += (q[:, start:end] ** 2).sum(1).cpu()
             cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(q.device))
             window = geo.sliding_window if layer in geo.sliding_layers else None

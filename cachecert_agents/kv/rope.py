@@ -39,15 +39,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
+def exact_dtype(device: torch.device | str) -> torch.dtype:
+    """The widest float the device computes in: float64, except on Apple's MPS, which has none (float32 there)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def remove_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Invert :func:`apply_rope`: post-RoPE ``x`` ``[..., n, head_dim]`` back to pre-RoPE vectors.
 
-    Computed in float64 and divided by ``cos^2 + sin^2`` (which is ``attention_scaling^2``), so the inverse is
-    exact up to the input's own rounding, for any scaling.
+    Computed in float64 (:func:`exact_dtype`: float32 on MPS) and divided by ``cos^2 + sin^2`` (which is
+    ``attention_scaling^2``), so the inverse is exact up to the input's own rounding, for any scaling.
     """
     rot = cos.shape[-1]
-    c, s = cos.double(), sin.double()
-    x_rot = x[..., :rot].double()
+    wide = exact_dtype(x.device)
+    c, s = cos.to(x.device, wide), sin.to(x.device, wide)
+    x_rot = x[..., :rot].to(wide)
     out = ((x_rot * c) - (rotate_half(x_rot) * s)) / (c * c + s * s)
     out = out.to(x.dtype)
     return torch.cat((out, x[..., rot:]), dim=-1) if x.shape[-1] > rot else out

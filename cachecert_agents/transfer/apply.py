@@ -32,7 +32,7 @@ from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
 from cachecert_agents.transfer.features import SenderFeatures, alignment_for, rms_normalise, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import (full_length_cache, recompute_tokens, select_chunks, suffix_pass_relevance,
+from cachecert_agents.transfer.repair import (choose_tokens_with_logits, full_length_cache, recompute_tokens,
                                                windowed_cache)
 
 
@@ -219,9 +219,8 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
     index = observed = unrepaired = None
-    if recompute > 0 and split > 0:  # choose_tokens, keeping the choosing pass's logits
-        relevance, unrepaired = suffix_pass_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)
-        index = select_chunks(relevance, recompute)
+    if recompute > 0 and split > 0:
+        index, unrepaired = choose_tokens_with_logits(receiver, cache, prompt, recompute)
         observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
     if full_length and windowed:
         cache = windowed_cache(cache, geo)

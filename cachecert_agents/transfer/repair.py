@@ -11,7 +11,7 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
 - :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache
   (:func:`suffix_pass_relevance` also keeps that pass's last logits);
 - :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
-  :func:`choose_tokens` is the two together;
+  :func:`choose_tokens` is the two together (:func:`choose_tokens_with_logits` keeps the pass's logits too);
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
   cache in place (``r = 1`` reproduces a full prefill; tested);
 - :func:`select_context` is the same selection as a control without the transferred keys/values: the chosen
@@ -194,11 +194,19 @@ def select_chunks(relevance: torch.Tensor, fraction: float, chunk: int = 16) -> 
     return torch.sort(torch.cat(picked)).values
 
 
-def choose_tokens(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
+def choose_tokens_with_logits(receiver: ModelHandle, cache: Any, prompt: Any,
+                              fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The context tokens ``[k]`` (offsets into ``prompt.context_ids``, sorted) that selective recompute takes for
     ``prompt`` (:class:`~cachecert_agents.models.handle.PromptSegments`) on the transferred ``cache``: the
-    chunks its suffix attends to most, ``fraction`` of the context."""
-    return select_chunks(suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span), fraction)
+    chunks its suffix attends to most, ``fraction`` of the context. Also returns the choosing pass's last logits
+    ``[vocab]`` (:func:`suffix_pass_relevance`), which the transfer keeps as its unrepaired answer distribution."""
+    relevance, logits = suffix_pass_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)
+    return select_chunks(relevance, fraction), logits
+
+
+def choose_tokens(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
+    """The indices ``[k]`` of :func:`choose_tokens_with_logits` alone."""
+    return choose_tokens_with_logits(receiver, cache, prompt, fraction)[0]
 
 
 def select_context(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
