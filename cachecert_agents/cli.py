@@ -335,8 +335,8 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                                               controls=not args.no_controls, recompute=args.recompute,
                                               recompute_splits=_recompute_splits(args, splits, receiver),
                                               transfers=not args.controls_only, offset=args.offset)
-            all_rows += _finish_transfer_rows(summarise(records, full), workload, args.n_calibration,
-                                              summary, args.json)
+            all_rows += _finish_transfer_rows(summarise(records, full), workload,
+                                              mapper.header.get("n_calibration_contexts"), summary, args.json)
     _emit(all_rows, args.json)
     return 0
 
@@ -1022,7 +1022,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset", type=int, default=0,
                    help="start at this evaluation example (e.g. --offset 100 --n 50: examples 100-149); the summary "
                         "is then left alone: rebuild it with `eval summarise --n OFFSET+N`")
-    p.add_argument("--n-calibration", type=int, default=32, help="calibration contexts for the mapper")
+    p.add_argument("--n-calibration", type=int, default=None,
+                   help="calibration contexts for the mapper; one cached with another number is refitted (kept "
+                        "aside). Default: the cached mapper's, else 32")
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")

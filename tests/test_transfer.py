@@ -375,3 +375,22 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
     build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4
+
+
+def test_build_mapper_without_a_size_takes_the_cached_one(twins, tmp_path):
+    """``n_contexts=None`` (``eval transfer`` without ``--n-calibration``) reuses the cached mapper whatever its
+    calibration size, and refits one that lacks a split on that same size; with nothing cached it asks for the
+    default size (32 here, more than the tiny workload holds, hence the clear error)."""
+    from cachecert_agents.eval.transfer_eval import DEFAULT_CALIBRATION_CONTEXTS, build_mapper
+
+    sender, receiver = twins
+    wl = tiny_workload(CONTEXTS, n_calibration=3)
+    L = receiver.geometry.num_layers
+    first = build_mapper(sender, receiver, wl, [L], n_contexts=1, n_heldout=1, out_dir=tmp_path)
+    again = build_mapper(sender, receiver, wl, [L], n_contexts=None, n_heldout=1, out_dir=tmp_path)
+    assert again.header["n_calibration_contexts"] == 1 and again.fingerprint == first.fingerprint
+    wider = build_mapper(sender, receiver, wl, [2, L], n_contexts=None, n_heldout=1, out_dir=tmp_path)
+    assert "hidden:2" in wider.weights and wider.header["n_calibration_contexts"] == 1
+    assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny.*.replaced-*"))) == 4  # the earlier one kept aside
+    with pytest.raises(ValueError, match=f"asked for {DEFAULT_CALIBRATION_CONTEXTS} "):
+        build_mapper(sender, receiver, wl, [L], n_contexts=None, n_heldout=1, out_dir=tmp_path / "empty")

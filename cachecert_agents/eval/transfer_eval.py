@@ -108,10 +108,19 @@ def mapper_stem(sender: str, receiver: str, workload: str, out_dir: Path | None 
     return (out_dir or cache_home() / "mappers") / stem
 
 
+DEFAULT_CALIBRATION_CONTEXTS = 32
+"""Calibration contexts of a mapper :func:`build_mapper` fits when none is cached and no size is asked for."""
+
+
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
-                 n_contexts: int, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False,
+                 n_contexts: int | None, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False,
                  hidden_width: int | None = None, anchor: int | None = None) -> RidgeMapper:
     """Load the pair's mapper from the user cache, or calibrate it on the workload's calibration split.
+
+    ``n_contexts``: calibration contexts; a cached mapper fitted on another number is replaced (kept aside).
+    ``None`` takes the cached mapper whatever its size (refitting one that lacks a split on the same number), and
+    calibrates on :data:`DEFAULT_CALIBRATION_CONTEXTS` when there is none; the size used is in
+    ``mapper.header["n_calibration_contexts"]``.
 
     ``hidden_width``: how many sender layer boundaries the residual-stream maps (``hidden:s``) read (default 3,
     like the key/value maps); such a mapper is stored apart and its transfers are named ``split@s+wW``.
@@ -131,13 +140,17 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     kv_until = max(splits) if anchor is not None and L not in splits else None
     wanted = ({f"hidden:{s}" for s in splits if 0 < s < L}
               | {f"kv:{layer}" for layer in range(anchor or 0, kv_until or L)})
+    size = None  # the cached mapper's calibration size
     if artifact_paths(stem)[1].exists() and not force:
         mapper = RidgeMapper.load(stem, expect=expect)
-        if wanted <= set(mapper.header["targets"]) and mapper.header.get("n_calibration_contexts") == n_contexts:
-            logger.info("using mapper %s", stem)
+        size = mapper.header.get("n_calibration_contexts")
+        if wanted <= set(mapper.header["targets"]) and n_contexts in (None, size):
+            logger.info("using mapper %s (%s calibration contexts)", stem, size)
             return mapper
-        logger.info("mapper %s lacks splits or calibration size asked for; recalibrating (the earlier one is "
-                    "kept aside)", stem)
+        logger.info("mapper %s lacks splits or calibration size asked for (%s contexts, asked %s); recalibrating "
+                    "(the earlier one is kept aside)", stem, size, n_contexts)
+    if n_contexts is None:
+        n_contexts = header["n_calibration_contexts"] = size or DEFAULT_CALIBRATION_CONTEXTS
     cal = workload.examples("calibration")
     if len(cal) < n_contexts + n_heldout:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
