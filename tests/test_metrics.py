@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from cachecert_agents.eval.metrics import (
     _lcs_length,
     best_over_references,
     exact_match,
+    mcnemar_exact,
     normalize_answer,
     rouge_l,
     token_f1,
@@ -94,3 +96,17 @@ def test_best_over_references():
     assert best_over_references(exact_match, "NYC", ["New York City", "nyc"]) == 1.0
     assert best_over_references(token_f1, "Barack Obama", ["Obama", "President Barack Obama"]) == pytest.approx(0.8)
     assert best_over_references(token_f1, "anything", []) == 0.0
+
+
+def test_mcnemar_exact_against_binomial_values():
+    # 10 discordant pairs all one way: 2 * (1/2)^10; balanced or none: 1
+    assert mcnemar_exact(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_exact(0, 10) == pytest.approx(2 / 1024)
+    assert mcnemar_exact(5, 5) == pytest.approx(1.0)
+    assert mcnemar_exact(0, 0) == 1.0
+    # 21 against 4: 2 * P(Binomial(25, 1/2) <= 4)
+    tail = sum(math.comb(25, k) for k in range(5)) / 2 ** 25
+    assert mcnemar_exact(21, 4) == pytest.approx(2 * tail)
+    assert mcnemar_exact(21, 4) == mcnemar_exact(4, 21)
+    with pytest.raises(ValueError, match="non-negative"):
+        mcnemar_exact(-1, 3)

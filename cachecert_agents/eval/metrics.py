@@ -8,6 +8,7 @@ whitespace collapsed. Conventions for empty strings (after normalisation): two e
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -117,3 +118,17 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], lev
         return float("nan"), float("nan")
     alpha = (1 - level) / 2
     return float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided exact McNemar p-value for paired binary outcomes (McNemar 1947, "Note on the sampling error of the
+    difference between correlated proportions or percentages"): ``only_first`` pairs where the first method
+    succeeds and the second fails, ``only_second`` the reverse. Under the null (either discordance equally likely)
+    the first count is Binomial(n, 1/2), n = their sum; the p-value sums the probabilities no larger than the
+    observed one. No discordant pair gives 1."""
+    if only_first < 0 or only_second < 0:
+        raise ValueError(f"counts must be non-negative, got {only_first}, {only_second}")
+    n = only_first + only_second
+    probs = [math.comb(n, k) / 2 ** n for k in range(n + 1)]
+    observed = probs[only_first]
+    return min(1.0, sum(p for p in probs if p <= observed * (1 + 1e-9)))
