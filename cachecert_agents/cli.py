@@ -334,7 +334,8 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                                               Path(args.results_dir), scorer=scorer,
                                               controls=not args.no_controls, recompute=args.recompute,
                                               recompute_splits=_recompute_splits(args, splits, receiver),
-                                              transfers=not args.controls_only, offset=args.offset)
+                                              transfers=not args.controls_only, offset=args.offset,
+                                              position_controls=args.position_controls)
             all_rows += _finish_transfer_rows(summarise(records, full), workload,
                                               mapper.header.get("n_calibration_contexts"), summary, args.json)
     _emit(all_rows, args.json)
@@ -1042,6 +1043,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-controls", action="store_true", help="skip no-context, sender and random-map answers")
     p.add_argument("--controls-only", action="store_true",
                    help="run the controls only (no-context, sender, random-map, pruned-context@P), not the transfers")
+    p.add_argument("--position-controls", action="store_true",
+                   help="with --recompute P: also the pruned-positions@P control (the pruned-context@P tokens "
+                        "prefilled at their original positions)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)

@@ -249,3 +249,50 @@ def test_evaluation_offset_runs_later_examples_only(tiny_tokenizer, tmp_path):
                                 progress=False, transfers=False)
     assert {r["id"] for r in both} == {"3", "4"}
 
+
+
+def test_pruned_positions_control_keeps_the_original_positions(tiny_tokenizer, tmp_path):
+    """``position_controls`` adds ``pruned-positions@P``: the same tokens as ``pruned-context@P``, prefilled at their
+    original positions with the suffix after the whole context. At P = 100 that is the full prefill itself (same
+    answer); below it, the chosen tokens and their count match the pruned control's, and the receiver sees them
+    at other distances than in the pruned control (the logits differ)."""
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer
+    from cachecert_agents.transfer.apply import transfer
+    from cachecert_agents.transfer.features import sender_features
+    from cachecert_agents.transfer.repair import choose_tokens
+    from tests.conftest import tiny_workload
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
+    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
+    L = receiver.geometry.num_layers
+    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    records, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                      progress=False, recompute=(30, 100), transfers=False, position_controls=True)
+    by = {r["method"]: r for r in records}
+    assert {"pruned-positions@30", "pruned-positions@100"} <= set(by)
+    assert by["pruned-positions@100"]["answer"] == full[0]["answer"]
+    assert by["pruned-positions@30"]["recomputed_tokens"] == by["pruned-context@30"]["recomputed_tokens"]
+    assert all(by[m]["transfer_s"] > 0 for m in ("pruned-positions@30", "pruned-context@30"))
+    # the positioned prefill: the chosen tokens at start + index, the suffix's first logits after the context's end
+    ex = wl.examples("evaluation")[0]
+    prompt = receiver.format_prompt(ex.context, ex.instruction)
+    start, end = prompt.context_span
+    kv = transfer(receiver, prompt, sender_features(sender, sender.format_prompt(ex.context, ex.instruction)),
+                  mapper, L, windowed=False)
+    index = choose_tokens(receiver, kv.cache, prompt, 0.3)
+    chosen = prompt.context_ids.reshape(-1)[index]
+    m = int(prompt.suffix_ids.numel())
+    a = receiver.prefill(prompt.prefix_ids).cache
+    receiver.forward(chosen, a, position_ids=index + start)
+    at_original = receiver.forward(prompt.suffix_ids, a, position_ids=torch.arange(end, end + m)).logits[-1]
+    b = receiver.prefill(prompt.prefix_ids).cache
+    receiver.forward(chosen, b)
+    packed = receiver.forward(prompt.suffix_ids, b).logits[-1]
+    assert not torch.allclose(at_original, packed)
+    # and the position ids do reach the model: a gap-free layout given explicitly equals the default
+    c = receiver.prefill(prompt.prefix_ids).cache
+    receiver.forward(chosen, c, position_ids=torch.arange(start, start + index.numel()))
+    explicit = receiver.forward(prompt.suffix_ids, c,
+                                position_ids=torch.arange(start + index.numel(), start + index.numel() + m)).logits[-1]
+    assert torch.allclose(explicit, packed, atol=1e-5)

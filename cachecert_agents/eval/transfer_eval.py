@@ -12,7 +12,13 @@ Per evaluation example the receiver answers (greedy) after:
   context tokens that ``+rP`` would recompute (chosen on the pure KV transfer), without any transferred
   keys/values (a control: is it the choice of tokens or the transferred rest that carries the answer?);
 - ``lexical-context@P`` (with ``+rP``): the receiver prefills ``P`` percent of the context chosen without any
-  cache, by the suffix's tokens found in the context (a control: does choosing the tokens need the transfer?).
+  cache, by the suffix's tokens found in the context (a control: does choosing the tokens need the transfer?);
+- ``pruned-positions@P`` (with ``+rP``, only when asked: ``position_controls``): the tokens of
+  ``pruned-context@P`` prefilled at their *original* positions, the suffix after the whole context's end, so the
+  receiver sees the layout ``+rP`` gives it (the same relative distances) without the transferred rest (a control:
+  is it the transferred keys/values of the other tokens, or only where the chosen ones sit, that keeps ``+rP``'s
+  answers close to the receiver's own?). Sliding-window layers (Gemma 3) measure their window in cache slots, not
+  positions, so on such a receiver a chosen token may see a little further back than in its own prefill.
 
 Each record is appended to a JSONL file as soon as it exists, and a rerun skips what is done, so long runs are
 resumable. :func:`summarise` turns the records into the rows of ``docs/results/transfer.json``.
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from tqdm.auto import tqdm
 
 from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, keep_artifact_aside
@@ -42,7 +49,7 @@ from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
-from cachecert_agents.transfer.repair import lexical_relevance, select_chunks, select_context
+from cachecert_agents.transfer.repair import choose_tokens, lexical_relevance, select_chunks
 from cachecert_agents.transfer.statistics import PairStatistics
 
 logger = logging.getLogger(__name__)
@@ -231,8 +238,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                       splits: list[int], n: int, results_dir: Path, progress: bool = True,
                       scorer: RiskScorer | None = None, controls: bool = True, subset: str = "evaluation",
                       offset: int = 0, recompute: tuple[int, ...] = (), transfers: bool = True,
-                      recompute_splits: list[int] | None = None, require_mapper: bool = False
-                      ) -> tuple[list[dict], list[dict]]:
+                      recompute_splits: list[int] | None = None, require_mapper: bool = False,
+                      position_controls: bool = False) -> tuple[list[dict], list[dict]]:
     """Run (or resume) the evaluation; returns every record for this pair and workload, and the receiver's
     full-prefill records (the input of :func:`summarise`).
 
@@ -269,8 +276,10 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     variants = method_variants(splits, recompute, L, recompute_splits) if transfers else []
     pruned = [f"pruned-context@{p}" for p in recompute] if controls else []
     lexical = [f"lexical-context@{p}" for p in recompute] if controls else []
+    positioned = [f"pruned-positions@{p}" for p in recompute] if controls and position_controls else []
     transfer_methods = [method_name(s, L, width, anchor, p) for s, p in variants]
-    methods = transfer_methods + (["no-context", "sender", "random-map"] if controls else []) + pruned + lexical
+    methods = (transfer_methods + (["no-context", "sender", "random-map"] if controls else []) + pruned + lexical
+               + positioned)
     for ex in tqdm(examples, desc=f"eval {sender.name}->{receiver.name} {workload.name}", disable=not progress):
         if all((ex.id, m) in done for m in methods) and ex.id in full_done:
             continue
@@ -332,25 +341,38 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-        def answer_on_subset(method: str, context_ids: Any, t0: float) -> None:
-            """A control's answer after the receiver prefills only ``context_ids`` (timed from ``t0``)."""
+        def answer_on_subset(method: str, context_ids: Any, choice_s: float, positions: Any = None) -> None:
+            """A control's answer after the receiver prefills only ``context_ids``, at ``positions`` ``[k]`` when
+            given (the suffix then sits after the whole context, as on a full cache). Its cost: ``choice_s`` (the
+            seconds spent choosing the tokens) plus that prefill."""
             cache = copy.deepcopy(prefix_cache)
-            receiver.forward(context_ids, cache, logits_to_keep=1)
-            spent = time.perf_counter() - t0
-            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
+            t0 = time.perf_counter()
+            receiver.forward(context_ids, cache, position_ids=positions, logits_to_keep=1)
+            spent = choice_s + time.perf_counter() - t0
+            end = r_prompt.context_span[1]
+            suffix_positions = (None if positions is None
+                                else torch.arange(end, end + int(r_prompt.suffix_ids.numel())))
+            gen = receiver.generate(r_prompt.suffix_ids, cache=cache, position_ids=suffix_positions, **gen_kw)
             record(method, gen.text, transfer_s=spent, recomputed_tokens=int(context_ids.numel()))
 
-        for pct, m in zip(recompute, pruned):  # chosen on the pure KV transfer, as +rP chooses
-            if (ex.id, m) not in done:
+        for pct, m, mp in zip(recompute, pruned, positioned or [None] * len(pruned)):
+            todo = [x for x in (m, mp) if x is not None and (ex.id, x) not in done]
+            if todo:  # chosen on the pure KV transfer, as +rP chooses
                 feats = feats or sender_features(sender, s_prompt)
                 t0 = time.perf_counter()
                 kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache, windowed=False)
-                answer_on_subset(m, select_context(receiver, kv.cache, r_prompt, pct / 100), t0)
+                index = choose_tokens(receiver, kv.cache, r_prompt, pct / 100)
+                choice_s = time.perf_counter() - t0
+                chosen = r_prompt.context_ids.reshape(-1)[index]
+                if m in todo:
+                    answer_on_subset(m, chosen, choice_s)
+                if mp in todo:
+                    answer_on_subset(mp, chosen, choice_s, positions=index + r_prompt.context_span[0])
         for pct, m in zip(recompute, lexical):  # chosen with no cache at all
             if (ex.id, m) not in done:
                 t0 = time.perf_counter()
                 index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
-                answer_on_subset(m, r_prompt.context_ids.reshape(-1)[index], t0)
+                answer_on_subset(m, r_prompt.context_ids.reshape(-1)[index], time.perf_counter() - t0)
     return load_records(results_dir, sender.name, receiver.name, workload.name, [ex.id for ex in examples])
 
 

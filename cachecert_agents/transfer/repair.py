@@ -14,9 +14,10 @@ suffix's queries attend to most are recomputed. Work: about ``r`` of a context p
   :func:`choose_tokens` is the two together (:func:`choose_tokens_with_logits` keeps the pass's logits too);
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
   cache in place (``r = 1`` reproduces a full prefill; tested);
-- :func:`select_context` is the same selection as a control without the transferred keys/values: the chosen
-  tokens' ids, which the receiver prefills as a shorter context (query-aware context pruning). If it answers as
-  well, the transfer's value lies in choosing the tokens, not in the keys/values it carries for the rest;
+- the same selection serves as a control without the transferred keys/values (``pruned-context@P`` and
+  ``pruned-positions@P`` in :mod:`cachecert_agents.eval.transfer_eval`): the chosen tokens' ids, which the receiver
+  prefills as a shorter context (query-aware context pruning). If it answers as well, the transfer's value lies
+  in choosing the tokens, not in the keys/values it carries for the rest;
 - :func:`lexical_relevance` scores the context tokens without any cache (the suffix's token ids found in the
   context, weighted by their rarity there): the control that asks whether the choice needs the transfer at all.
 
@@ -207,12 +208,6 @@ def choose_tokens_with_logits(receiver: ModelHandle, cache: Any, prompt: Any,
 def choose_tokens(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
     """The indices ``[k]`` of :func:`choose_tokens_with_logits` alone."""
     return choose_tokens_with_logits(receiver, cache, prompt, fraction)[0]
-
-
-def select_context(receiver: ModelHandle, cache: Any, prompt: Any, fraction: float) -> torch.Tensor:
-    """The context token ids ``[k]`` (in order) that :func:`recompute_tokens` would recompute for ``prompt`` on
-    the transferred ``cache`` (:func:`choose_tokens`): the pruned-context control's context."""
-    return prompt.context_ids.reshape(-1)[choose_tokens(receiver, cache, prompt, fraction)]
 
 
 @torch.inference_mode()
