@@ -188,17 +188,25 @@ def test_selection_and_recompute_refuse_a_cache_that_evicted_rows(tiny_tokenizer
         full_length_cache(native)
 
 
-def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_tokenizer, tmp_path):
-    """End to end on tiny models: ``--recompute`` adds ``ridge-kv+rP`` (with its recomputed token count) and the
-    ``pruned-context@P`` control (a prefill of the same P percent of the tokens), and a rerun resumes."""
-    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+def _evaluated_pair(tiny_tokenizer, tmp_path):
+    """A tiny cross-architecture pair, a four-example workload and the pair's pure-KV mapper (fitted on 2 contexts)."""
+    from cachecert_agents.eval.transfer_eval import build_mapper
     from tests.conftest import tiny_workload
 
     sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
     receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
     wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
     L = receiver.geometry.num_layers
-    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    return sender, receiver, wl, build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+
+
+def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_tokenizer, tmp_path):
+    """End to end on tiny models: ``--recompute`` adds ``ridge-kv+rP`` (with its recomputed token count) and the
+    ``pruned-context@P`` control (a prefill of the same P percent of the tokens), and a rerun resumes."""
+    from cachecert_agents.eval.transfer_eval import evaluate_transfer, summarise
+
+    sender, receiver, wl, mapper = _evaluated_pair(tiny_tokenizer, tmp_path)
+    L = receiver.geometry.num_layers
     controls, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                     progress=False, recompute=(30, 100), transfers=False)
     assert {r["method"] for r in controls} == {"pruned-context@30", "pruned-context@100", "lexical-context@30",
@@ -256,17 +264,13 @@ def test_pruned_positions_control_keeps_the_original_positions(tiny_tokenizer, t
     original positions with the suffix after the whole context. At P = 100 that is the full prefill itself (same
     answer); below it, the chosen tokens and their count match the pruned control's, and the receiver sees them
     at other distances than in the pruned control (the logits differ)."""
-    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer
+    from cachecert_agents.eval.transfer_eval import evaluate_transfer
     from cachecert_agents.transfer.apply import transfer
     from cachecert_agents.transfer.features import sender_features
     from cachecert_agents.transfer.repair import choose_tokens
-    from tests.conftest import tiny_workload
 
-    sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
-    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
-    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
+    sender, receiver, wl, mapper = _evaluated_pair(tiny_tokenizer, tmp_path)
     L = receiver.geometry.num_layers
-    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
     records, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                       progress=False, recompute=(30, 100), transfers=False, position_controls=True)
     by = {r["method"]: r for r in records}
