@@ -2,7 +2,9 @@
 have a record for every compared method, and per method the task score, retention (paired-bootstrap 95% interval),
 agreement with the full-prefill answer and prefill saved (1 - median transfer time / median prefill time of those
 records), and each method's agreement against a reference method's on the same questions (the first repaired
-``+rP`` method unless ``--reference`` names another): the discordant counts and the exact McNemar p-value. Reads the per-example records of ``cachecert eval transfer``; runs no model. Writes JSON with the command.
+``+rP`` method unless ``--reference`` names another): the discordant counts and the exact McNemar p-value, with a
+summary over every compared cell. Reads the per-example records of ``cachecert eval transfer``; runs no model.
+Writes JSON with the command.
 
     python benchmarks/recompute_controls.py --pair smollm2-135m:qwen2.5-coder-0.5b \
         --pair qwen2.5-coder-0.5b:qwen2.5-coder-1.5b --out docs/results/recompute_controls.json
