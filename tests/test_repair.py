@@ -188,14 +188,15 @@ def test_selection_and_recompute_refuse_a_cache_that_evicted_rows(tiny_tokenizer
         full_length_cache(native)
 
 
-def _evaluated_pair(tiny_tokenizer, tmp_path):
-    """A tiny cross-architecture pair, a four-example workload and the pair's pure-KV mapper (fitted on 2 contexts)."""
+def _evaluated_pair(tiny_tokenizer, tmp_path, extra_contexts=()):
+    """A tiny cross-architecture pair, a workload of four examples (plus ``extra_contexts``, evaluation examples) and
+    the pair's pure-KV mapper (fitted on 2 contexts)."""
     from cachecert_agents.eval.transfer_eval import build_mapper
     from tests.conftest import tiny_workload
 
     sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
     receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
-    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT], n_calibration=3)
+    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT, *extra_contexts], n_calibration=3)
     L = receiver.geometry.num_layers
     return sender, receiver, wl, build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
 
@@ -242,21 +243,16 @@ def test_cost_benchmark_times_recompute_methods(tiny_tokenizer):
 def test_evaluation_offset_runs_later_examples_only(tiny_tokenizer, tmp_path):
     """``offset`` (``eval transfer --offset``) starts at a later evaluation example; the examples before it are
     neither run nor returned, and the same results folder then holds both runs."""
-    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer
-    from tests.conftest import tiny_workload
+    from cachecert_agents.eval.transfer_eval import evaluate_transfer
 
-    sender = ModelHandle("tiny-a", tiny_model("llama", seed=7), tiny_tokenizer)
-    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
-    wl = tiny_workload([CONTEXT, CONTEXT[::-1], CONTEXT.upper(), CONTEXT, CONTEXT.lower()], n_calibration=3)
+    sender, receiver, wl, mapper = _evaluated_pair(tiny_tokenizer, tmp_path, extra_contexts=(CONTEXT.lower(),))
     L = receiver.geometry.num_layers
-    mapper = build_mapper(sender, receiver, wl, [L], n_contexts=2, n_heldout=1, out_dir=tmp_path)
     later, full = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                     progress=False, offset=1, transfers=False)
     assert {r["id"] for r in later} == {r["id"] for r in full} == {"4"}
     both, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=2, results_dir=tmp_path / "r",
                                 progress=False, transfers=False)
     assert {r["id"] for r in both} == {"3", "4"}
-
 
 
 def test_pruned_positions_control_keeps_the_original_positions(tiny_tokenizer, tmp_path):

@@ -203,4 +203,3 @@ def test_eval_transfer_refuses_a_negative_offset_before_loading_models(capsys):
     assert main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa",
                  "--offset", "-1"]) == 2
     assert "--offset must be 0 or more" in capsys.readouterr().err
-
