@@ -239,7 +239,7 @@ def test_selective_recompute_on_the_real_model(smollm2):
     from cachecert_agents.transfer.calibrate import collect_statistics
     from cachecert_agents.transfer.features import sender_features
     from cachecert_agents.transfer.mappers import RidgeMapper
-    from cachecert_agents.transfer.repair import select_chunks, suffix_relevance
+    from cachecert_agents.transfer.repair import select_chunks, suffix_pass_relevance
 
     sample = context_of_tokens(smollm2, 1200)
     texts = [sample[i * len(sample) // 8:(i + 1) * len(sample) // 8] for i in range(8)]
@@ -253,7 +253,7 @@ def test_selective_recompute_on_the_real_model(smollm2):
     L = smollm2.geometry.num_layers
     feats = sender_features(smollm2, prompt)
     cache = transfer(smollm2, prompt, feats, mapper, split=L).cache
-    relevance = suffix_relevance(smollm2, cache, prompt.suffix_ids, prompt.context_span)
+    relevance = suffix_pass_relevance(smollm2, cache, prompt.suffix_ids, prompt.context_span)[0]
     chosen = set(select_chunks(relevance, 0.1).tolist())
     assert len(chosen & set(needle_tokens)) >= len(needle_tokens) // 2, (needle_tokens, sorted(chosen))
     exact = smollm2.forward(prompt.input_ids, logits_to_keep=1).logits[-1]

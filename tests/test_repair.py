@@ -12,7 +12,7 @@ from cachecert_agents.transfer.calibrate import collect_statistics
 from cachecert_agents.transfer.features import sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.repair import (full_length_cache, lexical_relevance, recompute_tokens,
-                                               select_chunks, suffix_relevance)
+                                               select_chunks, suffix_pass_relevance)
 from tests.conftest import tiny_model
 
 CONTEXT = "the cat sat on the mat and the dog ran in the park where the cat sat " * 2
@@ -135,7 +135,7 @@ def test_suffix_relevance_leaves_the_cache_as_it_was(tiny_tokenizer):
     prompt = receiver.format_prompt(CONTEXT, QUESTION)
     cache = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
     before = copy.deepcopy(cache)
-    rel = suffix_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)
+    rel = suffix_pass_relevance(receiver, cache, prompt.suffix_ids, prompt.context_span)[0]
     assert rel.shape == (prompt.context_ids.numel(),) and bool((rel >= 0).all()) and float(rel.sum()) > 0
     assert cache.get_seq_length() == before.get_seq_length()
     assert torch.equal(cache.layers[-1].keys, before.layers[-1].keys)
@@ -181,7 +181,7 @@ def test_selection_and_recompute_refuse_a_cache_that_evicted_rows(tiny_tokenizer
     prompt = receiver.format_prompt(CONTEXT, QUESTION)
     native = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids])).cache
     with pytest.raises(ValueError, match="full-length cache"):
-        suffix_relevance(receiver, native, prompt.suffix_ids, prompt.context_span)
+        suffix_pass_relevance(receiver, native, prompt.suffix_ids, prompt.context_span)[0]
     with pytest.raises(ValueError, match="full-length cache"):
         recompute_tokens(receiver, native, prompt.context_ids, prompt.context_span[0], torch.arange(3))
     with pytest.raises(ValueError, match="dropped the rest"):
@@ -228,6 +228,30 @@ def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_t
     again, _ = evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
                                  progress=False, recompute=(30, 100))
     assert len(again) == len(records)
+
+
+def test_controls_reuse_the_choice_of_the_repaired_transfer_in_the_same_pass(tiny_tokenizer, tmp_path, monkeypatch):
+    """When ``+rP`` runs in the same pass, ``pruned-context@P`` and ``pruned-positions@P`` take its chosen tokens and
+    its choosing time (``TransferResult.choice_s``) instead of transferring and choosing again."""
+    import cachecert_agents.eval.transfer_eval as transfer_eval
+
+    def no_second_choice(*args, **kwargs):
+        raise AssertionError("the controls chose again although +rP had chosen")
+
+    monkeypatch.setattr(transfer_eval, "choose_tokens", no_second_choice)
+    sender, receiver, wl, mapper = _evaluated_pair(tiny_tokenizer, tmp_path)
+    L = receiver.geometry.num_layers
+    records, _ = transfer_eval.evaluate_transfer(sender, receiver, wl, mapper, [L], n=1, results_dir=tmp_path / "r",
+                                                 progress=False, recompute=(30,), position_controls=True)
+    by = {r["method"]: r for r in records}
+    tokens = by["ridge-kv+r30"]["recomputed_tokens"]
+    assert by["pruned-context@30"]["recomputed_tokens"] == by["pruned-positions@30"]["recomputed_tokens"] == tokens
+    ex = wl.examples("evaluation")[0]
+    prompt = receiver.format_prompt(ex.context, ex.instruction)
+    feats = sender_features(sender, sender.format_prompt(ex.context, ex.instruction))
+    repaired = transfer(receiver, prompt, feats, mapper, L, recompute=0.3)
+    assert 0 < repaired.choice_s <= repaired.transfer_s
+    assert transfer(receiver, prompt, feats, mapper, L).choice_s is None
 
 
 def test_cost_benchmark_times_recompute_methods(tiny_tokenizer):

@@ -318,6 +318,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         if controls and (ex.id, "sender") not in done:
             record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
+        chosen: dict[int, tuple[torch.Tensor, float]] = {}  # percent -> the pure KV transfer's choice and its time
         for (s, pct), m in zip(variants, transfer_methods):
             if (ex.id, m) in done:
                 continue
@@ -334,6 +335,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                 extra = {"risk": risk, **cost}
             if pct:
                 extra["recomputed_tokens"] = result.recomputed
+                if s == L:
+                    chosen[pct] = (result.recomputed_index, result.choice_s)
             record(m, gen.text, split=s, num_layers=L, transfer_s=result.transfer_s,
                    alignment=result.coverage, mapper_sha256=mapper.fingerprint, **extra)
         if controls and (ex.id, "random-map") not in done:  # control: right scale, no information, at the largest split
@@ -357,17 +360,18 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
 
         for pct, m, mp in zip(recompute, pruned, positioned or [None] * len(pruned)):
             todo = [x for x in (m, mp) if x is not None and (ex.id, x) not in done]
-            if todo:  # chosen on the pure KV transfer, as +rP chooses
+            if todo and pct not in chosen:  # chosen on the pure KV transfer, as +rP chooses (reused when it ran)
                 feats = feats or sender_features(sender, s_prompt)
                 t0 = time.perf_counter()
                 kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache, windowed=False)
-                index = choose_tokens(receiver, kv.cache, r_prompt, pct / 100)
-                choice_s = time.perf_counter() - t0
-                chosen = r_prompt.context_ids.reshape(-1)[index]
+                chosen[pct] = (choose_tokens(receiver, kv.cache, r_prompt, pct / 100), time.perf_counter() - t0)
+            if todo:
+                index, choice_s = chosen[pct]
+                tokens = r_prompt.context_ids.reshape(-1)[index]
                 if m in todo:
-                    answer_on_subset(m, chosen, choice_s)
+                    answer_on_subset(m, tokens, choice_s)
                 if mp in todo:
-                    answer_on_subset(mp, chosen, choice_s, positions=index + r_prompt.context_span[0])
+                    answer_on_subset(mp, tokens, choice_s, positions=index + r_prompt.context_span[0])
         for pct, m in zip(recompute, lexical):  # chosen with no cache at all
             if (ex.id, m) not in done:
                 t0 = time.perf_counter()

@@ -49,6 +49,7 @@ class TransferResult:
     recomputed_index: torch.Tensor | None = None  # [r] context offsets the receiver recomputed (selective recompute)
     observed_error: torch.Tensor | None = None  # [L, 2] relative distance, transferred to repaired rows (k, v)
     unrepaired_logits: torch.Tensor | None = None  # [vocab] the suffix's last logits on the cache before repair
+    choice_s: float | None = None  # seconds from the transfer's start until the recompute tokens were chosen
 
     @property
     def recomputed(self) -> int:
@@ -218,12 +219,13 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         else:
             with replaced_layers(receiver.model, stubs):
                 receiver.forward(prompt.context_ids, cache, logits_to_keep=1)
-    index = observed = unrepaired = None
+    index = observed = unrepaired = choice_s = None
     if recompute > 0 and split > 0:
         index, unrepaired = choose_tokens_with_logits(receiver, cache, prompt, recompute)
+        choice_s = time.perf_counter() - t0
         observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
     if full_length and windowed:
         cache = windowed_cache(cache, geo)
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
-                          index, observed, unrepaired)
+                          index, observed, unrepaired, choice_s)

@@ -8,8 +8,8 @@ by position) to the transferred keys/values of the rest. Here the tokens are cho
 receiver runs its suffix (question, instruction) once over the transferred cache, and the context chunks that the
 suffix's queries attend to most are recomputed. Work: about ``r`` of a context prefill, plus one suffix pass.
 
-- :func:`suffix_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache
-  (:func:`suffix_pass_relevance` also keeps that pass's last logits);
+- :func:`suffix_pass_relevance` scores the context tokens ``[n]`` by the suffix's attention on the transferred cache
+  and keeps that pass's last logits;
 - :func:`select_chunks` turns scores into token indices (whole chunks, highest total first, ``ceil(r * n)`` tokens);
   :func:`choose_tokens` is the two together (:func:`choose_tokens_with_logits` keeps the pass's logits too);
 - :func:`recompute_tokens` runs the receiver over the chosen tokens only and writes their keys/values into the
@@ -148,12 +148,6 @@ def suffix_pass_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.T
         relevance += context_attention(weights, span, total).float().amax((0, 1)).cpu().double()
     cache.crop(-int(suffix_ids.numel()))
     return relevance, out.logits[-1]
-
-
-def suffix_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.Tensor,
-                     span: tuple[int, int]) -> torch.Tensor:
-    """The relevance ``[n]`` of :func:`suffix_pass_relevance` alone."""
-    return suffix_pass_relevance(receiver, cache, suffix_ids, span)[0]
 
 
 def lexical_relevance(context_ids: torch.Tensor, suffix_ids: torch.Tensor) -> torch.Tensor:
