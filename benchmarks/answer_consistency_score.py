@@ -1,0 +1,124 @@
+"""Does a second cheap answer tell a certificate which repaired transfers are unsafe? (records only, no model run)
+
+A repaired transfer (``ridge-kv+r20``) is unsafe when its answer differs from the receiver's own full-prefill
+answer. A *consistency check* asks a second, independent cheap answer to the same request and compares the two:
+``lexical-context@20`` (the receiver prefills the 20% of the context chosen by the question's words, no cache)
+or ``pruned-context@20`` (the 20% chosen on the transferred cache). Both answers are already in every pool's
+records, so the check can be scored without running a model:
+
+- ``consistency``: 1 when the two answers disagree under the workload's agreement criterion, else 0;
+- ``consistency+entropy``: consistency first, the entropy score within each class (``100 * consistency +
+  entropy``), a continuous score with the same order between classes;
+- ``entropy``: the library's entropy score alone (the reference; free, it comes from the answer's first pass).
+
+Each is validated like ``cachecert eval cert`` (CRC at ``--alpha``, ``--splits`` random half/half splits,
+:func:`cachecert_agents.eval.cert_eval.validate`), on the same labels and prefill times. The check's cost is its
+recorded time (choice plus its prefill: ``transfer_s`` of the control's record) and is paid on every request,
+served or refused. Its decode is not timed in the records and is left out, so the savings of the two
+consistency scores are upper bounds. For ``pruned-context@20`` the recorded time includes a second choice of the
+tokens that a deployment would share with the transfer, so its cost is overstated; its AUC is reported as well.
+
+    python benchmarks/answer_consistency_score.py --out docs/results/answer_consistency_score.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, score_auc, validate
+from cachecert_agents.eval.transfer_eval import recorded_pools, records_path
+from cachecert_agents.eval.workloads import get_workload
+from cachecert_agents.jsonl import read_jsonl
+
+TARGET = "ridge-kv+r20"
+CHECKS = ("lexical-context@20", "pruned-context@20")
+
+
+def subset(lab: LabelledRequests, keep: list[int], **replace: object) -> LabelledRequests:
+    """``lab`` restricted to the requests at positions ``keep`` (every per-request array cut alike)."""
+    return dataclasses.replace(
+        lab, ids=[lab.ids[k] for k in keep], scores={s: v[keep] for s, v in lab.scores.items()},
+        unsafe=lab.unsafe[keep], prefill_s=lab.prefill_s[keep], transfer_s=lab.transfer_s[keep],
+        pass_s=lab.pass_s[keep], score_s=lab.score_s[keep], **replace)
+
+
+def crc_row(lab: LabelledRequests, score: np.ndarray, extra_cost_s: np.ndarray, alpha: float, splits: int) -> dict:
+    """CRC validation of ``score`` (larger = riskier) on ``lab``, its cost ``extra_cost_s`` added to the scoring time
+    of every request. Validated through the entropy slot of :func:`validate` (cost: transfer + scoring when
+    served, transfer + answer pass + scoring when refused), so it is accounted like the entropy score."""
+    scored = dataclasses.replace(lab, scores={**lab.scores, "entropy": score}, score_s=lab.score_s + extra_cost_s)
+    row = next(r for r in validate(scored, [alpha], splits, delta=None, scores=("entropy",)) if r["delta"] is None)
+    return {"prefill_saved": row["prefill_saved"], "prefill_saved_guarded": row["prefill_saved_guarded"],
+            "risk_mean": row["risk_mean"], "risk_max": row["risk_max"], "accept_rate": row["accept_rate"],
+            "prefill_saved_perfect_score": row["prefill_saved_perfect_score"], "auc": score_auc(score, lab.unsafe)}
+
+
+def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alpha: float, splits: int,
+              min_n: int) -> list[dict]:
+    lab = labelled_requests(results_dir, sender, receiver, workload).get(TARGET)
+    if lab is None:
+        return []
+    records = {(r["id"], r["method"]): r for r in read_jsonl(records_path(results_dir, sender, receiver, workload))}
+    agree = get_workload(workload).agree
+    rows = []
+    for check in CHECKS:
+        keep = [k for k, i in enumerate(lab.ids) if (i, check) in records and (i, TARGET) in records]
+        if len(keep) < min_n:
+            continue
+        sub = subset(lab, keep)
+        disagree = np.array([0.0 if agree(records[(i, TARGET)]["answer"], records[(i, check)]["answer"]) else 1.0
+                             for i in sub.ids])
+        check_s = np.array([float(records[(i, check)]["transfer_s"]) for i in sub.ids])
+        entropy = sub.scores["entropy"]
+        rows.append({
+            "sender": sender, "receiver": receiver, "workload": workload, "method": TARGET, "check": check,
+            "n": len(sub), "unsafe_rate": float(sub.unsafe.mean()), "consistent_rate": float(1 - disagree.mean()),
+            "unsafe_rate_when_consistent": (float(sub.unsafe[disagree == 0].mean()) if (disagree == 0).any()
+                                            else None),
+            "check_cost_over_prefill_median": float(np.median(check_s / sub.prefill_s)),
+            "scores": {"entropy": crc_row(sub, entropy, np.zeros_like(check_s), alpha, splits),
+                       "consistency": crc_row(sub, disagree, check_s, alpha, splits),
+                       "consistency+entropy": crc_row(sub, 100 * disagree + entropy, check_s, alpha, splits)}})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=Path("docs/results/transfer"))
+    ap.add_argument("--alpha", type=float, default=0.1)
+    ap.add_argument("--splits", type=int, default=500)
+    ap.add_argument("--min-n", type=int, default=30, help="skip pools with fewer labelled requests holding the check")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = [row for sender, receiver, workload in recorded_pools(args.results)
+            for row in pool_rows(args.results, sender, receiver, workload, args.alpha, args.splits, args.min_n)]
+    summary = {}
+    for check in CHECKS:
+        mine = [r for r in rows if r["check"] == check]
+        summary[check] = {
+            "pools": len(mine),
+            "auc_above_entropy": sum((r["scores"]["consistency+entropy"]["auc"] or 0)
+                                     > (r["scores"]["entropy"]["auc"] or 0) for r in mine),
+            "saving_above_entropy": sum(r["scores"]["consistency+entropy"]["prefill_saved_guarded"]
+                                        > r["scores"]["entropy"]["prefill_saved_guarded"] + 1e-3 for r in mine),
+            "best_guarded_saving": {s: max((r["scores"][s]["prefill_saved_guarded"] for r in mine), default=None)
+                                    for s in ("entropy", "consistency", "consistency+entropy")}}
+    out = {"command": "python benchmarks/answer_consistency_score.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "results"),
+           "date": datetime.date.today().isoformat(), "alpha": args.alpha, "splits": args.splits,
+           "summary": summary, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
