@@ -39,8 +39,10 @@ def compare(results_dir: Path, sender: str, receiver: str, workload: str, n: int
     present = [m for m in methods if any(k[1] == m for k in by)]
     common = [i for i in ids if i in full and all((i, m) in by for m in present)] if present else []
     reference = reference or next((m for m in present if "+r" in m), None)
-    if reference is not None and reference not in present:
-        raise ValueError(f"reference method {reference} has no records among {present}")
+    cell = {"sender": sender, "receiver": receiver, "workload": workload, "reference": reference}
+    if not common or (reference is not None and reference not in present):
+        # nothing to compare here (no question has every method, or the named reference has no records): skipped
+        return {**cell, "examples": 0, "rows": []}
     rows = []
     for m in present:
         recs = [by[(i, m)] for i in common]
@@ -60,7 +62,7 @@ def compare(results_dir: Path, sender: str, receiver: str, workload: str, n: int
             only_m = sum(1 for a, b in pairs if b and not a)
             rows[-1]["agreement_vs_reference"] = {"reference": reference, "only_reference": only_ref,
                                                   "only_method": only_m, "p_mcnemar": mcnemar_exact(only_ref, only_m)}
-    return {"sender": sender, "receiver": receiver, "workload": workload, "examples": len(common), "rows": rows}
+    return {**cell, "examples": len(common), "rows": rows}
 
 
 def summarise_cells(results: list[dict]) -> list[dict]:
@@ -68,16 +70,16 @@ def summarise_cells(results: list[dict]) -> list[dict]:
     the receiver's own answer more often than this method, less often, or as often; in how many the difference is
     significant (exact McNemar p < 0.05) either way; and a sign test over the cells that differ (two-sided, exact).
     Cells share questions (one workload's questions serve every pair), so the sign test is descriptive."""
-    by_method: dict[str, list[dict]] = {}
+    by_method: dict[tuple[str, str], list[dict]] = {}  # (reference, method): cells never pool two references
     for res in results:
         for row in res["rows"]:
             if (v := row.get("agreement_vs_reference")) is not None:
-                by_method.setdefault(row["method"], []).append(v)
+                by_method.setdefault((v["reference"], row["method"]), []).append(v)
     out = []
-    for method, cells in by_method.items():
+    for (reference, method), cells in by_method.items():
         better = sum(c["only_reference"] > c["only_method"] for c in cells)
         worse = sum(c["only_reference"] < c["only_method"] for c in cells)
-        out.append({"method": method, "reference": cells[0]["reference"], "cells": len(cells),
+        out.append({"method": method, "reference": reference, "cells": len(cells),
                     "reference_agrees_more": better, "reference_agrees_less": worse,
                     "ties": len(cells) - better - worse,
                     "significant_more": sum(c["only_reference"] > c["only_method"] and c["p_mcnemar"] < 0.05

@@ -312,6 +312,11 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
 
     if args.offset < 0:
         raise ValueError(f"--offset must be 0 or more, got {args.offset}")
+    if args.no_controls and args.controls_only:
+        raise ValueError("--no-controls and --controls-only exclude each other: nothing would be evaluated")
+    if args.position_controls and (args.no_controls or not args.recompute):
+        raise ValueError("--position-controls needs --recompute P (it places the pruned-context@P tokens at their "
+                         "original positions) and the controls (not --no-controls)")
     summary = args.summary
     if args.offset and summary:
         logger.info("--offset %d: rows of examples %d-%d alone are not merged into %s; run `cachecert eval "
@@ -1040,9 +1045,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
-    p.add_argument("--no-controls", action="store_true", help="skip no-context, sender and random-map answers")
+    p.add_argument("--no-controls", action="store_true",
+                   help="skip every control: no-context, sender, random-map and, with --recompute, "
+                        "pruned-context@P, lexical-context@P and pruned-positions@P")
     p.add_argument("--controls-only", action="store_true",
-                   help="run the controls only (no-context, sender, random-map, pruned-context@P), not the transfers")
+                   help="run the controls only (no-context, sender, random-map and, with --recompute, "
+                        "pruned-context@P, lexical-context@P and, with --position-controls, pruned-positions@P), "
+                        "not the transfers")
     p.add_argument("--position-controls", action="store_true",
                    help="with --recompute P: also the pruned-positions@P control (the pruned-context@P tokens "
                         "prefilled at their original positions)")
@@ -1053,7 +1062,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("diagnose", help="split transfer with true KV or true residual stream swapped in")
     _add_pair_args(p)
     p.add_argument("--n", type=int, default=12)
-    p.add_argument("--n-calibration", type=int, default=32)
+    p.add_argument("--n-calibration", type=int, default=None,
+                   help="calibration contexts for the mapper; one cached with another number is refitted (kept "
+                        "aside). Default: the cached mapper's, else 32")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer_diagnostics.json")
     p.add_argument("--device", default="cpu")
@@ -1144,7 +1155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=_probability, required=True, help="risk budget: rate of unsafe transfers served")
     p.add_argument("--delta", type=_probability, default=None, help="LTT: the guarantee holds with probability 1-delta")
     p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
-    p.add_argument("--n-calibration", type=int, default=24, help="mapper calibration contexts (if it is built)")
+    p.add_argument("--n-calibration", type=int, default=None,
+                   help="mapper calibration contexts if it is built (default: the cached mapper's, else 32)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
     p.add_argument("--no-guard", action="store_true",
                    help="keep a certificate that does not save prefill on its calibration requests (by default it "
@@ -1164,7 +1176,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("transfer-cost", help="transfer time vs receiver prefill time at fixed context lengths")
     _add_pair_args(p)
-    p.add_argument("--n-calibration", type=int, default=32)
+    p.add_argument("--n-calibration", type=int, default=None,
+                   help="calibration contexts for the mapper; one cached with another number is refitted (kept "
+                        "aside). Default: the cached mapper's, else 32")
     p.add_argument("--context-tokens", default="1024,2048")
     p.add_argument("--hidden-width", type=int, default=None, metavar="W",
                    help="time the split@K+wW mapper (see eval transfer --hidden-width)")

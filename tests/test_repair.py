@@ -246,6 +246,9 @@ def test_controls_reuse_the_choice_of_the_repaired_transfer_in_the_same_pass(tin
     by = {r["method"]: r for r in records}
     tokens = by["ridge-kv+r30"]["recomputed_tokens"]
     assert by["pruned-context@30"]["recomputed_tokens"] == by["pruned-positions@30"]["recomputed_tokens"] == tokens
+    for m in ("pruned-context@30", "pruned-positions@30"):
+        assert by[m]["choice_reused"] and by[m]["mapper_sha256"] == mapper.fingerprint
+        assert 0 < by[m]["choice_s"] < by[m]["transfer_s"]
     ex = wl.examples("evaluation")[0]
     prompt = receiver.format_prompt(ex.context, ex.instruction)
     feats = sender_features(sender, sender.format_prompt(ex.context, ex.instruction))
@@ -298,6 +301,7 @@ def test_pruned_positions_control_keeps_the_original_positions(tiny_tokenizer, t
     assert by["pruned-positions@100"]["answer"] == full[0]["answer"]
     assert by["pruned-positions@30"]["recomputed_tokens"] == by["pruned-context@30"]["recomputed_tokens"]
     assert all(by[m]["transfer_s"] > 0 for m in ("pruned-positions@30", "pruned-context@30"))
+    assert not any(by[m]["choice_reused"] for m in ("pruned-positions@30", "pruned-context@30"))  # no +rP ran
     # the positioned prefill: the chosen tokens at start + index, the suffix's first logits after the context's end
     ex = wl.examples("evaluation")[0]
     prompt = receiver.format_prompt(ex.context, ex.instruction)

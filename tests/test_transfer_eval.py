@@ -203,3 +203,38 @@ def test_eval_transfer_refuses_a_negative_offset_before_loading_models(capsys):
     assert main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa",
                  "--offset", "-1"]) == 2
     assert "--offset must be 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-controls", "--controls-only"], "exclude each other"),
+    (["--position-controls"], "needs --recompute"),
+    (["--position-controls", "--recompute", "20", "--no-controls"], "needs --recompute"),
+])
+def test_eval_transfer_refuses_control_flags_that_would_do_nothing(capsys, flags, message):
+    from cachecert_agents.cli import main
+
+    assert main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recompute_controls_summary_never_pools_two_references():
+    """benchmarks/recompute_controls.py: cells compared against different reference methods are summarised apart."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "recompute_controls.py"
+    spec = importlib.util.spec_from_file_location("recompute_controls", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def cell(reference, only_reference, only_method):
+        return {"rows": [{"method": "pruned-context@20", "agreement_vs_reference": {
+            "reference": reference, "only_reference": only_reference, "only_method": only_method,
+            "p_mcnemar": 1.0}}]}
+
+    summary = module.summarise_cells([cell("ridge-kv+r20", 5, 1), cell("ridge-kv+r35", 1, 5),
+                                      cell("ridge-kv+r20", 4, 2)])
+    by = {(s["reference"], s["method"]): s for s in summary}
+    assert by[("ridge-kv+r20", "pruned-context@20")]["cells"] == 2
+    assert by[("ridge-kv+r20", "pruned-context@20")]["reference_agrees_more"] == 2
+    assert by[("ridge-kv+r35", "pruned-context@20")]["reference_agrees_less"] == 1

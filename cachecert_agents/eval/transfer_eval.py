@@ -245,14 +245,17 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
 
     With a ``scorer``, each transfer is answered through its scoring pass and the record carries ``risk``
     (every score of :mod:`cachecert_agents.cert.scores`) and its cost: these records are the labelled requests
-    that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips the
-    no-context, sender and random-map answers. ``subset`` picks the workload's ``evaluation`` (default) or
-    ``calibration`` examples, from the ``offset``-th on (e.g. past those a mapper was fitted on); keep the
-    records of different subsets in different ``results_dir``. ``recompute`` (percentages) adds the transfer
+    that certificates are calibrated on (label: ``agree`` false = unsafe). ``controls=False`` skips every control
+    (no-context, sender, random-map, and the pruned-context, lexical-context and pruned-positions answers).
+    ``subset`` picks the workload's ``evaluation`` (default) or ``calibration`` examples, from the ``offset``-th
+    on (e.g. past those a mapper was fitted on); keep the records of different subsets in different
+    ``results_dir``. ``recompute`` (percentages) adds the transfer
     repaired by query-aware selective recompute of that share of the context (``...+rP``), for the splits in
     ``recompute_splits`` (default: see :func:`method_variants`).
     ``transfers=False`` runs the controls only (e.g. to add ``pruned-context@P`` to a finished run while another
-    process runs the transfers). Each transfer record names the mapper it used (``mapper_sha256``);
+    process runs the transfers). Each transfer record names the mapper it used (``mapper_sha256``), and so does
+    each pruned-context/pruned-positions record (the mapper its tokens were chosen on; ``choice_reused``: taken
+    from the ``+rP`` transfer of the same pass);
     ``require_mapper`` counts a transfer as done only when it was made with this ``mapper`` (labels for a
     certificate of this mapper; by default any record resumes, e.g. one made by an identical recalibration)."""
     L = receiver.geometry.num_layers
@@ -344,10 +347,11 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             result = transfer(receiver, r_prompt, feats, random_mapper, max(splits), prefix_cache=prefix_cache)
             gen = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw)
             record("random-map", gen.text, split=max(splits), num_layers=L, transfer_s=result.transfer_s)
-        def answer_on_subset(method: str, context_ids: Any, choice_s: float, positions: Any = None) -> None:
+        def answer_on_subset(method: str, context_ids: Any, choice_s: float, positions: Any = None,
+                             **extra: Any) -> None:
             """A control's answer after the receiver prefills only ``context_ids``, at ``positions`` ``[k]`` when
             given (the suffix then sits after the whole context, as on a full cache). Its cost: ``choice_s`` (the
-            seconds spent choosing the tokens) plus that prefill."""
+            seconds spent choosing the tokens) plus that prefill. ``extra`` goes into the record."""
             cache = copy.deepcopy(prefix_cache)
             t0 = time.perf_counter()
             receiver.forward(context_ids, cache, position_ids=positions, logits_to_keep=1)
@@ -356,22 +360,29 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             suffix_positions = (None if positions is None
                                 else torch.arange(end, end + int(r_prompt.suffix_ids.numel())))
             gen = receiver.generate(r_prompt.suffix_ids, cache=cache, position_ids=suffix_positions, **gen_kw)
-            record(method, gen.text, transfer_s=spent, recomputed_tokens=int(context_ids.numel()))
+            record(method, gen.text, transfer_s=spent, choice_s=choice_s, recomputed_tokens=int(context_ids.numel()),
+                   **extra)
 
         for pct, m, mp in zip(recompute, pruned, positioned or [None] * len(pruned)):
             todo = [x for x in (m, mp) if x is not None and (ex.id, x) not in done]
-            if todo and pct not in chosen:  # chosen on the pure KV transfer, as +rP chooses (reused when it ran)
+            if not todo:
+                continue
+            # chosen on the pure KV transfer, as +rP chooses; +rP's own choice when it ran in this pass
+            reused = pct in chosen
+            if not reused:
                 feats = feats or sender_features(sender, s_prompt)
-                t0 = time.perf_counter()
                 kv = transfer(receiver, r_prompt, feats, mapper, L, prefix_cache=prefix_cache, windowed=False)
-                chosen[pct] = (choose_tokens(receiver, kv.cache, r_prompt, pct / 100), time.perf_counter() - t0)
-            if todo:
-                index, choice_s = chosen[pct]
-                tokens = r_prompt.context_ids.reshape(-1)[index]
-                if m in todo:
-                    answer_on_subset(m, tokens, choice_s)
-                if mp in todo:
-                    answer_on_subset(mp, tokens, choice_s, positions=index + r_prompt.context_span[0])
+                t0 = time.perf_counter()
+                index = choose_tokens(receiver, kv.cache, r_prompt, pct / 100)
+                # timed as TransferResult.choice_s: the transfer (from its own clock) until the tokens are chosen
+                chosen[pct] = (index, kv.transfer_s + time.perf_counter() - t0)
+            index, choice_s = chosen[pct]
+            tokens = r_prompt.context_ids.reshape(-1)[index]
+            provenance = {"mapper_sha256": mapper.fingerprint, "choice_reused": reused}
+            if m in todo:
+                answer_on_subset(m, tokens, choice_s, **provenance)
+            if mp in todo:
+                answer_on_subset(mp, tokens, choice_s, positions=index + r_prompt.context_span[0], **provenance)
         for pct, m in zip(recompute, lexical):  # chosen with no cache at all
             if (ex.id, m) not in done:
                 t0 = time.perf_counter()
