@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, score_auc, validate
+from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, validate
 from cachecert_agents.eval.transfer_eval import recorded_pools, records_path
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.jsonl import read_jsonl
@@ -41,23 +41,17 @@ TARGET = "ridge-kv+r20"
 CHECKS = ("lexical-context@20", "pruned-context@20")
 
 
-def subset(lab: LabelledRequests, keep: list[int], **replace: object) -> LabelledRequests:
-    """``lab`` restricted to the requests at positions ``keep`` (every per-request array cut alike)."""
-    return dataclasses.replace(
-        lab, ids=[lab.ids[k] for k in keep], scores={s: v[keep] for s, v in lab.scores.items()},
-        unsafe=lab.unsafe[keep], prefill_s=lab.prefill_s[keep], transfer_s=lab.transfer_s[keep],
-        pass_s=lab.pass_s[keep], score_s=lab.score_s[keep], **replace)
-
-
-def crc_row(lab: LabelledRequests, score: np.ndarray, extra_cost_s: np.ndarray, alpha: float, splits: int) -> dict:
-    """CRC validation of ``score`` (larger = riskier) on ``lab``, its cost ``extra_cost_s`` added to the scoring time
-    of every request. Validated through the entropy slot of :func:`validate` (cost: transfer + scoring when
-    served, transfer + answer pass + scoring when refused), so it is accounted like the entropy score."""
-    scored = dataclasses.replace(lab, scores={**lab.scores, "entropy": score}, score_s=lab.score_s + extra_cost_s)
-    row = next(r for r in validate(scored, [alpha], splits, delta=None, scores=("entropy",)) if r["delta"] is None)
+def crc_row(lab: LabelledRequests, name: str, score: np.ndarray, extra_cost_s: np.ndarray, alpha: float,
+            splits: int) -> dict:
+    """CRC validation of ``score`` (larger = riskier), named ``name``, on ``lab``, its cost ``extra_cost_s`` added to
+    the scoring time of every request. Any score but geometry and constant is accounted like entropy by
+    :meth:`LabelledRequests.gains` (transfer + scoring when served, transfer + answer pass + scoring when
+    refused)."""
+    scored = dataclasses.replace(lab, scores={**lab.scores, name: score}, score_s=lab.score_s + extra_cost_s)
+    row = validate(scored, [alpha], splits, delta=None, scores=(name,))[0]
     return {"prefill_saved": row["prefill_saved"], "prefill_saved_guarded": row["prefill_saved_guarded"],
             "risk_mean": row["risk_mean"], "risk_max": row["risk_max"], "accept_rate": row["accept_rate"],
-            "prefill_saved_perfect_score": row["prefill_saved_perfect_score"], "auc": score_auc(score, lab.unsafe)}
+            "prefill_saved_perfect_score": row["prefill_saved_perfect_score"], "auc": row["score_auc"]}
 
 
 def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alpha: float, splits: int,
@@ -72,7 +66,7 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
         keep = [k for k, i in enumerate(lab.ids) if (i, check) in records and (i, TARGET) in records]
         if len(keep) < min_n:
             continue
-        sub = subset(lab, keep)
+        sub = lab.take(keep)
         disagree = np.array([0.0 if agree(records[(i, TARGET)]["answer"], records[(i, check)]["answer"]) else 1.0
                              for i in sub.ids])
         check_s = np.array([float(records[(i, check)]["transfer_s"]) for i in sub.ids])
@@ -83,9 +77,9 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
             "unsafe_rate_when_consistent": (float(sub.unsafe[disagree == 0].mean()) if (disagree == 0).any()
                                             else None),
             "check_cost_over_prefill_median": float(np.median(check_s / sub.prefill_s)),
-            "scores": {"entropy": crc_row(sub, entropy, np.zeros_like(check_s), alpha, splits),
-                       "consistency": crc_row(sub, disagree, check_s, alpha, splits),
-                       "consistency+entropy": crc_row(sub, 100 * disagree + entropy, check_s, alpha, splits)}})
+            "scores": {name: crc_row(sub, name, score, cost, alpha, splits) for name, score, cost in (
+                ("entropy", entropy, np.zeros_like(check_s)), ("consistency", disagree, check_s),
+                ("consistency+entropy", 100 * disagree + entropy, check_s))}})
     return rows
 
 

@@ -47,7 +47,6 @@ import json
 import logging
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -134,9 +133,7 @@ def evaluate(args: argparse.Namespace, sender: str, receiver: str, out_path: Pat
     scores = {s: v[keep] for s, v in labelled.scores.items()}
     for name in OBSERVED:
         scores[name] = np.array([c[name] for c in candidates])
-    pool = replace(labelled, ids=[labelled.ids[k] for k in keep], scores=scores, unsafe=labelled.unsafe[keep],
-                   prefill_s=labelled.prefill_s[keep], transfer_s=labelled.transfer_s[keep],
-                   pass_s=labelled.pass_s[keep], score_s=labelled.score_s[keep])
+    pool = labelled.take(keep, scores=scores)
     names = ("geometry", "entropy", "margin", "constant") + OBSERVED
     rows = validate(pool, args.alphas, args.splits, delta=None, scores=names)
     summary = []

@@ -575,3 +575,18 @@ def test_a_certificate_that_does_not_pay_is_switched_off_and_keeps_old_identitie
     (tmp_path / "old.json").write_text(json.dumps(dict(body, checksum=_checksum(body))))
     old = Certificate.load(tmp_path / "old.json")
     assert old.identity == _checksum(body)[:16] == plain.identity
+
+
+def test_labelled_requests_take_cuts_every_per_request_array_alike():
+    import numpy as np
+
+    from cachecert_agents.eval.cert_eval import LabelledRequests
+
+    arr = np.arange(4.0)
+    pool = LabelledRequests("s", "r", "w", "m", 2, ["a", "b", "c", "d"], {"entropy": arr * 10}, arr % 2, arr + 1,
+                            arr + 2, arr + 3, arr + 4, screen_s=arr + 5)
+    cut = pool.take([3, 1], scores={"x": np.array([7.0, 8.0])})
+    assert cut.ids == ["d", "b"] and list(cut.scores) == ["x"] and list(cut.scores["x"]) == [7.0, 8.0]
+    assert list(cut.unsafe) == [1.0, 1.0] and list(cut.prefill_s) == [4.0, 2.0] and list(cut.screen_s) == [8.0, 6.0]
+    assert list(cut.transfer_s) == [5.0, 3.0] and list(cut.pass_s) == [6.0, 4.0] and list(cut.score_s) == [7.0, 5.0]
+    assert list(pool.take([0]).scores["entropy"]) == [0.0] and cut.method == "m" and len(cut) == 2

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -63,6 +64,15 @@ class LabelledRequests:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def take(self, keep: list[int], **replace: Any) -> LabelledRequests:
+        """These requests restricted to the positions ``keep`` (every per-request array cut alike), with the fields
+        in ``replace`` replaced (e.g. ``scores`` holding extra scores on the kept requests)."""
+        cut = {"ids": [self.ids[k] for k in keep], "scores": {s: v[keep] for s, v in self.scores.items()},
+               "unsafe": self.unsafe[keep], "prefill_s": self.prefill_s[keep], "transfer_s": self.transfer_s[keep],
+               "pass_s": self.pass_s[keep], "score_s": self.score_s[keep],
+               "screen_s": None if self.screen_s is None else self.screen_s[keep]}
+        return dataclasses.replace(self, **{**cut, **replace})
 
     def gains(self, score: str) -> tuple[np.ndarray, np.ndarray]:
         """Per-request prefill fraction saved if served / if refused (see the module docstring)."""
