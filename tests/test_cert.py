@@ -268,6 +268,18 @@ def _write_screened_pool(path, n=80, seed=2, mapper_sha256=None):
                                 "risk": risk(float(rng.uniform())), "mapper_sha256": mapper_sha256})
 
 
+def test_a_score_combining_geometry_is_charged_like_geometry(tmp_path):
+    """Geometry needs the whole suffix pass whether served or refused (charged conservatively); a score built on it
+    (e.g. a pooled combination) pays the same, while an output score pays the pass only when refused."""
+    _write_screened_pool(tmp_path / "s__r__w.jsonl")
+    pool = labelled_requests(tmp_path, "s", "r", "w")["split@2"]
+    geometry = pool.gains("geometry")
+    for served, refused in (pool.gains("pooled:entropy+margin+geometry"), geometry):
+        np.testing.assert_allclose(served, 1 - (2.0 + 0.2 + 0.05) / 4.0)
+        np.testing.assert_allclose(refused, -(2.0 + 0.2 + 0.05) / 4.0)
+    np.testing.assert_allclose(pool.gains("pooled:entropy+margin")[0], 1 - (2.0 + 0.05) / 4.0)
+
+
 def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path):
     """Two-stage transfers: the cheap transfer's score decides whether the expensive one runs, so a refusal costs
     only the screen, and the label is the served transfer's."""

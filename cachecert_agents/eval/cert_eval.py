@@ -11,8 +11,8 @@ Prefill saved per request (fraction of the receiver's context prefill time, net 
 - served (accepted): ``1 - (transfer_s + overhead) / prefill_s``;
 - refused: ``-(transfer_s + overhead) / prefill_s`` (the transfer and scoring were wasted, then a full prefill);
 
-with ``overhead`` the whole recorded suffix pass plus the score arithmetic for ``geometry`` (conservative: a
-plain suffix pass is needed to answer anyway), the suffix pass only when refused for ``entropy``/``margin``
+with ``overhead`` the whole recorded suffix pass plus the score arithmetic for ``geometry`` and any score whose name
+contains it (conservative: a plain suffix pass is needed to answer anyway), the suffix pass only when refused for ``entropy``/``margin``
 (when served, that pass *is* the answer's first step), and 0 for ``constant``.
 
 **Screened** requests (:func:`screened_requests`, method ``"<method>|screen:<screen>"``) decide an expensive
@@ -78,7 +78,7 @@ class LabelledRequests:
         """Per-request prefill fraction saved if served / if refused (see the module docstring)."""
         if self.screen_s is not None and score != "constant":  # a constant score needs no screen
             served_cost, refused_cost = self.screen_s + self.transfer_s, self.screen_s
-        elif score == "geometry":
+        elif "geometry" in score:  # the geometry score, or a score combining it (e.g. ``pooled:entropy+margin+geometry``)
             served_cost = refused_cost = self.transfer_s + self.pass_s + self.score_s
         elif score == "constant":
             served_cost = refused_cost = self.transfer_s
