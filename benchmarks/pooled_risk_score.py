@@ -25,11 +25,14 @@ import dataclasses
 import datetime
 import json
 import logging
+import shlex
+import sys
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, validate
 from cachecert_agents.eval.transfer_eval import recorded_pools
 
@@ -121,12 +124,8 @@ def main() -> None:
                                                    for r in rows for v in r["scores"].values()),
         "crc_feasible_rows": sum(v["feasible"] for r in rows for v in r["scores"].values()),
     }
-    out = {"command": "python benchmarks/pooled_risk_score.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "results"),
-           "date": datetime.date.today().isoformat(), "alpha": args.alpha, "splits": args.splits,
-           "summary": summary, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_json_atomic(args.out, {"command": "python " + shlex.join(sys.argv), "date": datetime.date.today().isoformat(),
+                                 "alpha": args.alpha, "splits": args.splits, "summary": summary, "rows": rows})
     print(json.dumps(summary, indent=1))
 
 
