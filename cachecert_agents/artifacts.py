@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,17 +75,32 @@ def keep_artifact_aside(stem: str | Path) -> None:
         keep_aside(path)
 
 
+def write_atomic(path: str | Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a uniquely named temporary file in the same directory, fsynced before it
+    is renamed over ``path``: a crash leaves the old file or the new one, never a half-written or empty one, and
+    concurrent writers (threads or processes) never share a temporary file. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def save_artifact(stem: str | Path, tensors: dict[str, torch.Tensor], header: dict) -> Path:
-    """Write ``<stem>.safetensors`` and ``<stem>.json`` (the header plus ``tensors_sha256``); returns the
-    safetensors path. Temporary names are unique per process, so concurrent writers do not collide."""
+    """Write ``<stem>.safetensors`` and ``<stem>.json`` (the header plus ``tensors_sha256``), each with
+    :func:`write_atomic`; returns the safetensors path."""
     st, js = artifact_paths(stem)
-    st.parent.mkdir(parents=True, exist_ok=True)
-    st_tmp, js_tmp = Path(f"{st}.{os.getpid()}.tmp"), Path(f"{js}.{os.getpid()}.tmp")
     data = save_bytes({k: v.contiguous() for k, v in tensors.items()})
-    st_tmp.write_bytes(data)
-    js_tmp.write_text(json.dumps(dict(header, tensors_sha256=bytes_fingerprint(data)), indent=1))
-    os.replace(st_tmp, st)
-    os.replace(js_tmp, js)
+    write_atomic(st, data)
+    write_atomic(js, json.dumps(dict(header, tensors_sha256=bytes_fingerprint(data)), indent=1))
     return st
 
 

@@ -162,10 +162,10 @@ def write_result_file(path: str, results: Any) -> None:
 
 
 def write_json_atomic(out: "Path", payload: Any) -> None:
-    """Write JSON to a temporary name and rename it over ``out`` (never a half-written file)."""
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, out)
+    """Write JSON over ``out`` with :func:`~cachecert_agents.artifacts.write_atomic` (never a half-written file)."""
+    from cachecert_agents.artifacts import write_atomic
+
+    write_atomic(out, json.dumps(payload, indent=2) + "\n")
 
 
 def _parse_pair(text: str) -> tuple[str, str]:

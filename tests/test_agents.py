@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Annotated, TypedDict
 
 import numpy as np
@@ -286,11 +287,11 @@ def test_a_held_cache_that_fails_to_serve_is_dropped_and_prefilled(pair, artifac
     runtime.generate("tiny-r", CONTEXT, "write")
     real, calls = CachedContext.fresh_cache, []
 
-    def fail_once(self):
+    def fail_once(self, device=None):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("cache on the wrong device")
-        return real(self)
+        return real(self, device)
 
     monkeypatch.setattr(CachedContext, "fresh_cache", fail_once)
     with caplog.at_level("WARNING"):
@@ -386,6 +387,70 @@ def test_audit_flags_belong_to_a_certificate_across_restarts(pair, artifacts, tm
     assert first_action(artifacts("recalibrated.json", alpha=0.06)).action == "transfer"
 
 
+def test_re_adding_a_flagged_certificate_does_not_return_it_to_service(pair, artifacts, tmp_path):
+    """Flags belong to a certificate's identity: registering the flagged one again, under its path or a copy's,
+    leaves the pair out of service; only a new certificate is served."""
+    failing = artifacts("failing.json", alpha=0.05)
+    runtime = make_runtime(pair, tmp_path, failing, audit_probability=1.0)
+    runtime.route("tiny-s", "tiny-r").agree = lambda served, full: False
+    for i in range(12):
+        runtime.generate("tiny-s", CONTEXT + f" item {i}", "outline")
+        runtime.generate("tiny-r", CONTEXT + f" item {i}", "write")
+    copy_path = tmp_path / "copy.json"
+    copy_path.write_bytes(Path(failing).read_bytes())
+    for path in (failing, str(copy_path)):
+        runtime.add_route(RouteConfig(sender="tiny-s", receiver="tiny-r", mapper=str(tmp_path / "mapper"),
+                                      certificate=path))
+        runtime.generate("tiny-s", CONTEXT + " later", "outline")
+        decision = runtime.generate("tiny-r", CONTEXT + " later", "write")[1]
+        assert decision.action == "prefill" and "flagged by audits" in decision.reason
+        runtime.store.clear()
+    runtime.add_route(RouteConfig(sender="tiny-s", receiver="tiny-r", mapper=str(tmp_path / "mapper"),
+                                  certificate=artifacts("recalibrated.json", alpha=0.06)))
+    runtime.generate("tiny-s", CONTEXT + " later", "outline")
+    assert runtime.generate("tiny-r", CONTEXT + " later", "write")[1].action == "transfer"
+
+
+def test_a_sender_holding_a_featureless_cache_prefills_again_to_keep_features(pair, artifacts, tmp_path):
+    """A context prefilled before a route named its model as sender is prefilled again on that model's next call
+    (keeping features), so later transfers from it are possible."""
+    sender, receiver = pair
+    config = RuntimeConfig(routes=[], audit_log=str(tmp_path / "audit.jsonl"), audit_in_background=False,
+                           max_new_tokens=6)
+    runtime = CacheCertRuntime(config, models={"tiny-s": sender, "tiny-r": receiver})
+    runtime.generate("tiny-s", CONTEXT, "outline")
+    assert runtime.generate("tiny-s", CONTEXT, "outline")[1].action == "reuse"  # no route: plain reuse
+    runtime.add_route(RouteConfig(sender="tiny-s", receiver="tiny-r", mapper=str(tmp_path / "mapper"),
+                                  certificate=artifacts("accept.json")))
+    text, decision = runtime.generate("tiny-s", CONTEXT, "outline")
+    assert decision.action == "prefill" and "no sender features" in decision.reason
+    assert text == plain_answer(sender, CONTEXT, "outline")
+    assert runtime.generate("tiny-r", CONTEXT, "write")[1].action == "transfer"
+
+
+def test_a_closed_runtime_refuses_work_and_closing_twice_is_harmless(pair, artifacts, tmp_path):
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"), store_dir=str(tmp_path / "store"))
+    runtime.generate("tiny-r", CONTEXT, "write")
+    runtime.close()
+    runtime.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        runtime.generate("tiny-r", CONTEXT, "write")
+
+
+def test_a_held_cache_is_handed_over_on_the_models_device(pair):
+    """A cache read back from disk lands where the store was told; the model gets a copy on its own device."""
+    sender, _ = pair
+    prompt = sender.format_prompt(CONTEXT, "q")
+    from cachecert_agents.transfer.features import prefill_with_features
+
+    cache, feats, secs = prefill_with_features(sender, prompt, keep_features=False)
+    entry = CachedContext(sender.name, token_key(sender.identity, prompt), text_key(CONTEXT), prompt, cache, feats,
+                          secs)
+    moved = entry.fresh_cache("meta")
+    assert all(layer.keys.device.type == "meta" and layer.values.device.type == "meta" for layer in moved.layers)
+    assert all(layer.keys.device.type == "cpu" for layer in entry.cache.layers)  # the held one is untouched
+
+
 def test_audits_judge_by_the_certificates_agreement_criterion(pair, artifacts, tmp_path):
     """A certificate calibrated on labels of another criterion is audited by that criterion, not the workload's."""
     own = make_runtime(pair, tmp_path, artifacts("own.json")).route("tiny-s", "tiny-r")
@@ -401,6 +466,26 @@ def test_clopper_pearson_interval():
     assert lo == pytest.approx(0.00253, abs=1e-4) and hi == pytest.approx(0.44502, abs=1e-4)  # textbook values
     assert clopper_pearson_interval(0, 10)[0] == 0 and clopper_pearson_interval(10, 10)[1] == 1
     assert clopper_pearson_interval(1, 1)[0] == pytest.approx(0.025, abs=1e-4)
+
+
+def test_the_flag_decision_matches_the_exact_interval_and_stays_cheap_on_long_logs():
+    """``rate_exceeds`` (one binomial tail) decides as the Clopper-Pearson lower bound does, and the truncated tail
+    sum equals the full one."""
+    import math
+    import random
+
+    from cachecert_agents.cert.audit import _binom_sf, clopper_pearson_interval, rate_exceeds
+
+    def full_sf(k, n, p):
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 120)
+        k, p = rng.randint(0, n), rng.choice([rng.random(), 0.05, 0.1, 0.2])
+        assert _binom_sf(k, n, p) == pytest.approx(full_sf(k, n, p), abs=1e-12)
+        assert rate_exceeds(k, n, p) == (clopper_pearson_interval(k, n)[0] > p)
+    assert rate_exceeds(6_000, 50_000, 0.1) and not rate_exceeds(5_000, 50_000, 0.1)  # 0.12 and 0.10 of 50k audits
 
 
 def test_wilson_interval():
@@ -582,6 +667,23 @@ def test_store_persists_across_runs_and_refuses_other_weights(pair, tiny_tokeniz
         text4, d4 = fourth.generate("tiny-s", CONTEXT, "where did the cat sit", max_new_tokens=8)
     fourth.close()
     assert d4.action == "prefill" and text4 == text1 and "cannot read persisted cache" in caplog.text
+
+
+def test_a_persisted_header_missing_fields_is_skipped_with_a_warning(pair, tmp_path, caplog):
+    sender, _ = pair
+    store_dir = tmp_path / "store"
+    first = CacheCertRuntime(RuntimeConfig(store_dir=str(store_dir)), models={"tiny-s": sender})
+    text, _ = first.generate("tiny-s", CONTEXT, "q", max_new_tokens=4)
+    first.close()
+    (header_path,) = store_dir.glob("*.json")
+    header = json.loads(header_path.read_text())
+    del header["text_key"]
+    header_path.write_text(json.dumps(header))
+    with caplog.at_level("WARNING"):
+        second = CacheCertRuntime(RuntimeConfig(store_dir=str(store_dir)), models={"tiny-s": sender})
+        again, decision = second.generate("tiny-s", CONTEXT, "q", max_new_tokens=4)
+    second.close()
+    assert "lacks text_key" in caplog.text and decision.action == "prefill" and again == text
 
 
 def test_persisted_store_keeps_to_its_disk_bound(pair, tmp_path):

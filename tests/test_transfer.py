@@ -93,6 +93,22 @@ def test_artifacts_round_trip_and_refuse_a_wrong_pair(tmp_path):
         RidgeMapper.load(tmp_path / "mapper")
 
 
+def test_atomic_writes_from_many_threads_leave_one_whole_file_and_no_temporaries(tmp_path):
+    import threading
+
+    from cachecert_agents.artifacts import write_atomic
+
+    target = tmp_path / "shared.json"
+    bodies = [f"{i}:" + "x" * 100_000 for i in range(8)]
+    threads = [threading.Thread(target=write_atomic, args=(target, body)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert target.read_text() in bodies
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.json"]
+
+
 def test_weights_identity_is_checked_where_recorded_and_warned_about_where_not(tmp_path, caplog):
     """An artifact records both models' weights fingerprints: another model of the same geometry and tokenizer
     (a fine-tune, another quantisation) is refused; an artifact built before they were recorded still loads,

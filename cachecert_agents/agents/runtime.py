@@ -30,6 +30,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -50,6 +51,8 @@ from cachecert_agents.errors import CertificateError
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
 
 logger = logging.getLogger(__name__)
+
+DECISIONS_KEPT = 10_000  # CacheCertRuntime.decisions keeps the most recent ones; Metrics counts every call
 
 
 class RouteConfig(BaseModel):
@@ -168,7 +171,7 @@ class CacheCertRuntime:
         self.store = KVCacheStore(self.config.store_max_bytes, self.config.store_dir,
                                   self.config.store_dir_max_bytes, device=self.config.device)
         self.metrics = Metrics()
-        self.decisions: list[Decision] = []
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)  # the most recent ones (metrics count all)
         self._models: dict[str, ModelHandle] = dict(models or {})
         self._model_locks: dict[str, threading.RLock] = {}
         self._lock = threading.RLock()
@@ -181,6 +184,11 @@ class CacheCertRuntime:
         self._audit_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cachecert-audit")
                             if self.audit_log and self.config.audit_in_background else None)
         self._audit_futures: list[concurrent.futures.Future] = []  # guarded by self._lock
+        self._closed = False
+        if self.audit_log is None and (self.config.audit_probability > 0 or any(
+                r.audit_probability for r in self.config.routes)):
+            logger.info("no audit_log configured: served transfers are not audited (audit_probability has no "
+                        "effect)")
 
     # ------------------------------------------------------------------ models and routes
     def model(self, name: str) -> ModelHandle:
@@ -195,18 +203,17 @@ class CacheCertRuntime:
             return self._model_locks.setdefault(name, threading.RLock())
 
     def add_route(self, route: RouteConfig) -> None:
-        """Register (or replace) a route; it is loaded and checked on first use. A route with another
-        certificate (a recalibration) clears the pair's audit flag; re-adding the same one does not."""
+        """Register (or replace) a route; it is loaded and checked on first use. Audit flags are left alone:
+        they belong to a certificate's identity, so a recalibrated certificate is audited afresh while a
+        flagged one stays out of service under any path (``runtime.monitor.clear`` lifts a flag by hand)."""
         with self._lock:
-            old = self._route_configs.get((route.sender, route.receiver))
             self._route_configs[(route.sender, route.receiver)] = route
             self._routes.pop((route.sender, route.receiver), None)
-        if self.monitor is not None and (old is None or old.certificate != route.certificate):
-            self.monitor.clear(route.sender, route.receiver)
 
     def senders_for(self, model: str) -> bool:
         """Whether ``model`` is the sender of some route (then its prefills keep features)."""
-        return any(s == model for s, _ in self._route_configs)
+        with self._lock:
+            return any(s == model for s, _ in self._route_configs)
 
     def route(self, sender: str, receiver: str) -> Route | None:
         """The loaded route, or None (no route configured, or it failed its checks: logged once)."""
@@ -264,6 +271,8 @@ class CacheCertRuntime:
             raise TypeError(f"stop_strings must be a sequence of strings, e.g. ({stop_strings!r},), not a string")
         if max_new_tokens is not None and max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if self._closed:
+            raise RuntimeError("this CacheCertRuntime is closed (close() was called); create a new one")
         t0 = time.perf_counter()
         handle = self.model(model)
         gen_kw = {"max_new_tokens": max_new_tokens or self.config.max_new_tokens, "stop_strings": tuple(stop_strings)}
@@ -273,9 +282,15 @@ class CacheCertRuntime:
         text, decision, audit_route = None, None, None
         with self._model_lock(model):
             entry = self.store.get(key)
-            if entry is not None:
+            if entry is not None and entry.features is None and self.senders_for(model):
+                # held from before a route named this model as sender: prefill again, keeping the features that
+                # transfers from it need (the new entry replaces the old one)
+                text, decision = self._prefill(handle, prompt, key, tkey, node, gen_kw,
+                                               "the held cache kept no sender features, which routes from this "
+                                               "model need")
+            elif entry is not None:
                 try:
-                    text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
+                    text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(handle.device), **gen_kw).text
                     decision = Decision(node, model, "reuse", "exact cache of this context held by the same model",
                                         n_ctx, prefill_tokens_avoided=n_ctx)
                 except Exception as exc:  # fail safe: a held cache that cannot be used means a prefill
@@ -310,7 +325,7 @@ class CacheCertRuntime:
         cache, feats, prefill_s = prefill_with_features(handle, prompt, keep_features=self.senders_for(handle.name))
         entry = CachedContext(handle.name, key, tkey, prompt, cache, feats, prefill_s, model_id=handle.identity)
         self.store.put(entry)
-        text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(), **gen_kw).text
+        text = handle.generate(prompt.suffix_ids, cache=entry.fresh_cache(handle.device), **gen_kw).text
         return text, Decision(node, handle.name, "prefill", reason,
                               int(prompt.context_ids.numel()), prefill_s=prefill_s)
 
@@ -411,7 +426,7 @@ class CacheCertRuntime:
         if self._audit_pool is not None:
             future = self._audit_pool.submit(self._audit, *job)
             with self._lock:
-                self._audit_futures.append(future)
+                self._audit_futures = [f for f in self._audit_futures if not f.done()] + [future]
         else:
             self._audit(*job)
         return True
@@ -446,6 +461,9 @@ class CacheCertRuntime:
         self.store.flush(timeout)
 
     def close(self) -> None:
+        """Finish pending audits and store writes and release the worker threads; the runtime then refuses
+        :meth:`generate` (closing twice is harmless)."""
+        self._closed = True
         self.flush()
         self.store.close()
         if self._audit_pool is not None:

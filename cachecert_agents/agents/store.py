@@ -92,9 +92,16 @@ class CachedContext:
     def context_tokens(self) -> int:
         return int(self.prompt.context_ids.numel())
 
-    def fresh_cache(self) -> Any:
-        """A private copy of the cache, safe to extend with a suffix (the stored one is never modified)."""
-        return copy.deepcopy(self.cache)
+    def fresh_cache(self, device: torch.device | str | None = None) -> Any:
+        """A private copy of the cache on ``device`` (None: where it is held), safe to extend with a suffix (the
+        stored one is never modified)."""
+        cache = copy.deepcopy(self.cache)
+        if device is not None:
+            for layer in cache.layers:
+                if getattr(layer, "is_initialized", True) and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                    layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+                    layer.device = layer.keys.device
+        return cache
 
 
 def save_cached_context(entry: CachedContext, stem: str | Path) -> dict:
@@ -263,6 +270,9 @@ class KVCacheStore:
                 header = json.loads(js.read_text())
                 if header.get("format") != CONTEXT_CACHE_FORMAT or js.stem != header.get("key"):
                     continue
+                missing = [k for k in ("model", "text_key", "windows", "length") if k not in header]
+                if missing:
+                    raise ValueError(f"its header lacks {', '.join(missing)}")
                 if not artifact_paths(js.with_suffix(""))[0].exists():
                     raise FileNotFoundError("its tensors file is missing")
             except Exception as exc:  # fail safe: an unreadable file is skipped, never deleted
@@ -325,6 +335,9 @@ class KVCacheStore:
         concurrent.futures.wait(pending, timeout=timeout)
 
     def close(self) -> None:
+        """Finish pending disk writes and stop the writer; later entries are kept in memory only."""
         self.flush()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)

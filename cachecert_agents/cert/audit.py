@@ -64,17 +64,39 @@ def wilson_interval(failures: int, n: int, confidence: float = 0.95) -> tuple[fl
 
 
 def _binom_sf(k: int, n: int, p: float) -> float:
-    """``P(X >= k)`` for ``X ~ Binomial(n, p)`` (exact sum in log space)."""
+    """``P(X >= k)`` for ``X ~ Binomial(n, p)``, summed in log space over the tail away from the mode (the upper
+    tail when ``k > n p``, else one minus the lower one), stopping once terms fall below ``e^-40`` of the first:
+    O(sqrt(n)) terms, so an audit log of any length is cheap to re-check."""
     if k <= 0:
         return 1.0
-    if p <= 0:
+    if k > n or p <= 0:
         return 0.0
     if p >= 1:
         return 1.0
-    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
-            + (n - i) * math.log1p(-p) for i in range(k, n + 1)]
-    top = max(logs)
-    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+    log_p, log_q, log_n1 = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+
+    def tail(indices: range) -> float:  # terms fall monotonically along ``indices`` (they walk away from the mode)
+        first, total = None, 0.0
+        for i in indices:
+            x = log_n1 - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+            first = x if first is None else first
+            if x - first < -40:
+                break
+            total += math.exp(x - first)
+        return 0.0 if first is None else math.exp(first) * total
+
+    if k > n * p:
+        return min(1.0, tail(range(k, n + 1)))
+    return max(0.0, 1.0 - tail(range(k - 1, -1, -1)))
+
+
+def rate_exceeds(failures: int, n: int, alpha: float, confidence: float = 0.95) -> bool:
+    """Whether the exact (Clopper-Pearson) two-sided interval's lower bound for the rate ``failures / n`` lies above
+    ``alpha``: the same decision as ``clopper_pearson_interval(failures, n, confidence)[0] > alpha``, from one
+    binomial tail (``P(X >= failures | alpha) < (1 - confidence) / 2``) instead of a bisection."""
+    if n == 0 or failures == 0:
+        return False
+    return _binom_sf(failures, n, alpha) < (1 - confidence) / 2
 
 
 def clopper_pearson_interval(failures: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -202,7 +224,7 @@ class AuditMonitor:
             self._counts[key][1] += 1
             alphas[key] = min(r.alpha, alphas.get(key, 1.0))
         for key, (k, n) in self._counts.items():
-            if clopper_pearson_interval(k, n, confidence)[0] > alphas[key]:
+            if rate_exceeds(k, n, alphas[key], confidence):
                 self._flagged.add(key)
                 logger.warning("audit log %s: %s->%s (certificate %s) has %d silent failures in %d audits, above "
                                "alpha=%g; its transfers fall back to prefill until it is recalibrated", log.path,
@@ -216,21 +238,28 @@ class AuditMonitor:
 
     def record(self, record: dict[str, Any]) -> bool:
         """Append ``record`` to the log and update its certificate's rate; returns True when it is (now)
-        flagged."""
+        flagged. A flagged certificate stays flagged; an unflagged one is re-checked with one binomial tail
+        (:func:`rate_exceeds`), outside the lock that transfers wait on."""
         self.log.append(record)
         key = (record["sender"], record["receiver"], record.get("certificate_id"))
         with self._lock:
             counts = self._counts[key]
             counts[0] += bool(record["unsafe"])
             counts[1] += 1
-            lo, hi = clopper_pearson_interval(counts[0], counts[1], self.confidence)
-            if lo > record["alpha"] and key not in self._flagged:
+            k, n = counts
+            if key in self._flagged:
+                return True
+        if not rate_exceeds(k, n, record["alpha"], self.confidence):
+            return False
+        lo, hi = clopper_pearson_interval(k, n, self.confidence)
+        with self._lock:
+            if key not in self._flagged:
                 self._flagged.add(key)
                 logger.warning("audits of %s->%s: %d silent failures in %d (rate %.3f, %.0f%% interval %.3f-%.3f) "
                                "exceed alpha=%g; transfers for this pair fall back to prefill until it is "
-                               "recalibrated (`cachecert certify`)", key[0], key[1], counts[0], counts[1],
-                               counts[0] / counts[1], 100 * self.confidence, lo, hi, record["alpha"])
-            return key in self._flagged
+                               "recalibrated (`cachecert certify`)", key[0], key[1], k, n, k / n,
+                               100 * self.confidence, lo, hi, record["alpha"])
+        return True
 
     def is_flagged(self, sender: str, receiver: str, certificate_id: str | None = None) -> bool:
         """Whether the pair is out of service: its certificate ``certificate_id`` (None: any of them) is flagged,
@@ -241,7 +270,11 @@ class AuditMonitor:
             return bool({(sender, receiver, certificate_id), (sender, receiver, None)} & self._flagged)
 
     def clear(self, sender: str, receiver: str) -> None:
-        """Return a recalibrated pair to service; its earlier audit counts are forgotten (the log keeps them)."""
+        """Return a pair to service by hand: every certificate's audit counts and flag for it are forgotten in
+        this process (the log keeps them, so a restart flags them again). Not needed after a recalibration: a new
+        certificate is audited afresh under its own identity."""
+        logger.warning("audit flags and counts of %s->%s cleared by hand (the audit log keeps its records)",
+                       sender, receiver)
         with self._lock:
             for key in [k for k in self._counts if k[:2] == (sender, receiver)]:
                 self._counts.pop(key)

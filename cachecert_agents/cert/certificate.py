@@ -17,7 +17,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from cachecert_agents import __version__
-from cachecert_agents.artifacts import file_fingerprint, first_identity_mismatch  # noqa: F401 (re-exported)
+from cachecert_agents.artifacts import file_fingerprint, first_identity_mismatch, write_atomic  # noqa: F401 (re-exported)
 from cachecert_agents.cert.conformal import calibration_gain, guard_threshold
 from cachecert_agents.cert.conformal import certify as fit_threshold
 from cachecert_agents.errors import CertificateError
@@ -118,13 +117,8 @@ class Certificate(BaseModel):
         path = Path(path)
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --force) to replace it")
-        path.parent.mkdir(parents=True, exist_ok=True)
         body = self.model_dump()
-        payload = dict(body, checksum=_checksum(body))
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path, json.dumps(dict(body, checksum=_checksum(body)), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Certificate":
