@@ -428,6 +428,31 @@ def test_a_sender_holding_a_featureless_cache_prefills_again_to_keep_features(pa
     assert runtime.generate("tiny-r", CONTEXT, "write")[1].action == "transfer"
 
 
+def test_a_slow_model_load_holds_up_only_the_callers_of_that_model(pair, monkeypatch):
+    import threading
+
+    sender, _ = pair
+    runtime = CacheCertRuntime(RuntimeConfig(max_new_tokens=4), models={"tiny-s": sender})
+    release, loads = threading.Event(), []
+
+    def slow_load(name, device="cpu"):
+        loads.append(name)
+        assert release.wait(30)
+        return sender
+
+    monkeypatch.setattr(ModelHandle, "load", staticmethod(slow_load))
+    waiters = [threading.Thread(target=runtime.model, args=("slow-model",)) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    while not loads:
+        time.sleep(0.01)
+    assert runtime.generate("tiny-s", CONTEXT, "q")[1].action == "prefill"  # not blocked by the load
+    release.set()
+    for t in waiters:
+        t.join(30)
+    assert loads == ["slow-model"] and runtime.model("slow-model") is sender  # loaded once for both callers
+
+
 def test_a_closed_runtime_refuses_work_and_closing_twice_is_harmless(pair, artifacts, tmp_path):
     runtime = make_runtime(pair, tmp_path, artifacts("accept.json"), store_dir=str(tmp_path / "store"))
     runtime.generate("tiny-r", CONTEXT, "write")

@@ -178,6 +178,7 @@ class CacheCertRuntime:
         self._routes: dict[tuple[str, str], Route | None] = {}
         self._route_configs = {(r.sender, r.receiver): r for r in self.config.routes}
         self._prefix_caches: dict[str, Any] = {}
+        self._build_locks: dict[tuple[int, Any], threading.Lock] = {}  # see _once
         self._rng = random.Random(self.config.seed)
         self.audit_log = AuditLog(self.config.audit_log) if self.config.audit_log else None
         self.monitor = AuditMonitor(self.audit_log, self.config.audit_confidence) if self.audit_log else None
@@ -191,12 +192,26 @@ class CacheCertRuntime:
                         "effect)")
 
     # ------------------------------------------------------------------ models and routes
-    def model(self, name: str) -> ModelHandle:
+    def _once(self, table: dict, key: Any, build: Any) -> Any:
+        """``table[key]``, built by ``build()`` on first use. Builds of one key run once (under that key's own
+        lock); the runtime's lock is never held while building, so a slow load (a model, a route's artifacts, a
+        prefix prefill) holds up only the callers that need the same thing."""
         with self._lock:
-            if name not in self._models:
-                self._models[name] = ModelHandle.load(name, device=self.config.device)
-            self._model_locks.setdefault(name, threading.RLock())
-            return self._models[name]
+            if key in table:
+                return table[key]
+            lock = self._build_locks.setdefault((id(table), key), threading.Lock())
+        with lock:
+            with self._lock:
+                if key in table:
+                    return table[key]
+            value = build()
+            with self._lock:
+                return table.setdefault(key, value)
+
+    def model(self, name: str) -> ModelHandle:
+        handle = self._once(self._models, name, lambda: ModelHandle.load(name, device=self.config.device))
+        self._model_lock(name)
+        return handle
 
     def _model_lock(self, name: str) -> threading.RLock:
         with self._lock:
@@ -219,18 +234,23 @@ class CacheCertRuntime:
         """The loaded route, or None (no route configured, or it failed its checks: logged once)."""
         key = (sender, receiver)
         with self._lock:
-            if key in self._routes:
-                return self._routes[key]
             cfg = self._route_configs.get(key)
-            if cfg is None:
-                return None
+        if cfg is None:
+            return None
+
+        def load() -> Route | None:
             try:
-                route = self._load_route(cfg)
+                return self._load_route(cfg)
             except Exception as exc:  # fail safe: a broken route means prefill, said loudly once
                 logger.error("route %s->%s disabled, its transfers fall back to prefill: %s", sender, receiver, exc)
-                route = None
-            self._routes[key] = route
-            return route
+                return None
+
+        route = self._once(self._routes, key, load)
+        with self._lock:  # replaced by add_route while loading: load the new one
+            replaced = self._route_configs.get(key) is not cfg
+            if replaced and self._routes.get(key) is route:
+                self._routes.pop(key)
+        return self.route(sender, receiver) if replaced else route
 
     def _load_route(self, cfg: RouteConfig) -> Route:
         from cachecert_agents.eval.transfer_eval import load_mapper_statistics, parse_method
@@ -408,10 +428,7 @@ class CacheCertRuntime:
     def _prefix_cache(self, handle: ModelHandle, prompt: PromptSegments) -> Any:
         """The model's own cache of its template prefix (computed once per model and prefix)."""
         key = handle.name + "\0" + hashlib.sha256(prompt.prefix_ids.numpy().tobytes()).hexdigest()
-        with self._lock:
-            if key not in self._prefix_caches:
-                self._prefix_caches[key] = handle.prefill(prompt.prefix_ids).cache
-            return self._prefix_caches[key]
+        return self._once(self._prefix_caches, key, lambda: handle.prefill(prompt.prefix_ids).cache)
 
     # ------------------------------------------------------------------ audits
     def _maybe_audit(self, route: Route, handle: ModelHandle, prompt: PromptSegments, served: str,
