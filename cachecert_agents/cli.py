@@ -120,6 +120,7 @@ def _cmd_kv_check(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.kv_check import kv_check
     from cachecert_agents.models.handle import ModelHandle
 
+    _read_results(args.out, "--out")
     results = []
     for name in args.model:
         handle = ModelHandle.load(name, device=args.device)
@@ -133,6 +134,9 @@ def _cmd_kv_check(args: argparse.Namespace) -> int:
                   f"{result['max_abs_logit_diff']:.2e} ({'ok' if result['passed'] else 'FAILED'}, tolerance "
                   f"{args.tolerance:g}); corrupted cache {result['corrupted_max_abs_logit_diff']:.2f}")
     if args.out:
+        from cachecert_agents.artifacts import keep_aside
+
+        keep_aside(args.out)  # an earlier check's file is renamed, not overwritten
         write_result_file(args.out, results)
     _emit(results[0] if len(results) == 1 else {"results": results}, args.json)
     return 0 if all(r["passed"] for r in results) else 1
@@ -168,12 +172,51 @@ def write_json_atomic(out: "Path", payload: Any) -> None:
     write_atomic(out, json.dumps(payload, indent=2) + "\n")
 
 
+def _read_results(path: str | None, flag: str, kind: type = list) -> Any:
+    """The ``results`` entry of a results file this CLI wrote (None when ``path`` is None or does not exist yet).
+    A directory, a file that is not JSON, or JSON without a ``results`` entry of the expected ``kind`` (a list of
+    row objects, or an object) is refused naming ``flag``: it is not ours to merge into or overwrite. Commands call
+    it before any work, so a bad path fails at once."""
+    from pathlib import Path
+
+    if path is None or not Path(path).exists():
+        return None
+    p = Path(path)
+    if p.is_dir():
+        raise CacheCertError(f"{flag} {p} is a directory, not a results file")
+    try:
+        payload = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CacheCertError(f"{flag} {p} is not a JSON results file ({err}); pass another {flag}") from None
+    results = payload.get("results") if isinstance(payload, dict) else None
+    if not isinstance(results, kind) or (kind is list and not all(isinstance(r, dict) for r in results)):
+        raise CacheCertError(f"{flag} {p} is not a cachecert results file (no \"results\" {kind.__name__}); pass "
+                             f"another {flag}, so that it is not overwritten")
+    return results
+
+
+def _markdown_beside(out: str, results_existed: bool) -> Path:
+    """``out`` with the suffix ``.md``: the report written beside a results file. One found there when the results
+    file did not exist yet is not ours, and is kept aside (renamed, logged) rather than overwritten."""
+    from pathlib import Path
+
+    from cachecert_agents.artifacts import keep_aside
+
+    md = Path(out).with_suffix(".md")
+    if not results_existed:
+        keep_aside(md)
+    return md
+
+
 def _parse_pair(text: str) -> tuple[str, str]:
     if text == "all":
         return ("all", "all")
     if text.count(":") != 1 or not all(text.split(":")):
         raise argparse.ArgumentTypeError(f"--pair must be SENDER:RECEIVER, got {text!r}")
     sender, receiver = text.split(":")
+    if sender == receiver:
+        raise argparse.ArgumentTypeError(f"--pair names {sender!r} twice; a transfer needs two models (a model "
+                                         f"reuses its own cache without one)")
     return sender, receiver
 
 
@@ -183,9 +226,12 @@ def _parse_splits(text: str, num_layers: int) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         try:
-            value = num_layers if part == "L" else (round(float(part) * num_layers) if "." in part else int(part))
+            fraction = float(part) if "." in part else None
+            value = num_layers if part == "L" else (round(fraction * num_layers) if fraction is not None else int(part))
         except ValueError:
             raise CacheCertError(f"split {part!r} is not an integer layer, a fraction such as 0.5, or L") from None
+        if fraction is not None and not 0 <= fraction <= 1:  # NaN fails too
+            raise CacheCertError(f"split fraction {part!r} must lie in [0, 1]")
         if not 0 <= value <= num_layers:
             raise CacheCertError(f"split {part!r} is outside 0..{num_layers} for this receiver")
         out.append(value)
@@ -219,6 +265,34 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _unit_interval(text: str) -> float:
+    """A probability that may be 0 or 1 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text!r}")
+    return value
+
+
+def _positive_ints(text: str) -> str:
+    """'1024,2048': comma-separated positive integers, checked before any model loads (argparse type)."""
+    for part in text.split(","):
+        _positive_int(part.strip())
+    return text
 
 
 def _split_spec(text: str) -> str:
@@ -261,6 +335,7 @@ def _load_pair(args: argparse.Namespace):
         raise CacheCertError("this command takes one --pair SENDER:RECEIVER and one --workload")
     sender_name, receiver_name = args.pair
     workload = get_workload(args.workload, data=args.data)
+    workload.examples()  # a missing or malformed data file fails now, before the models load
     sender = ModelHandle.load(sender_name, device=args.device)
     receiver = ModelHandle.load(receiver_name, device=args.device)
     return sender, receiver, workload
@@ -299,7 +374,6 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
 
     pairs = ([(s, r) for s in EMBEDDED_MODELS for r in EMBEDDED_MODELS if s != r] if args.pair == ("all", "all")
              else [args.pair])
-    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
     loaded: dict[str, ModelHandle] = {}
 
     def load_pair(pair: tuple[str, str]) -> tuple[ModelHandle, ModelHandle]:
@@ -310,13 +384,16 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
                 loaded[name] = ModelHandle.load(name, device=args.device)
         return loaded[pair[0]], loaded[pair[1]]
 
-    if args.offset < 0:
-        raise ValueError(f"--offset must be 0 or more, got {args.offset}")
     if args.no_controls and args.controls_only:
-        raise ValueError("--no-controls and --controls-only exclude each other: nothing would be evaluated")
+        raise CacheCertError("--no-controls and --controls-only exclude each other: nothing would be evaluated")
     if args.position_controls and (args.no_controls or not args.recompute):
-        raise ValueError("--position-controls needs --recompute P (it places the pruned-context@P tokens at their "
+        raise CacheCertError("--position-controls needs --recompute P (it places the pruned-context@P tokens at their "
                          "original positions) and the controls (not --no-controls)")
+    _read_results(args.summary, "--summary")  # refuse a file that is not ours before hours of work
+    workloads = {name: get_workload(name, data=args.data)
+                 for name in (list(WORKLOADS) if args.workload == "all" else [args.workload])}
+    for workload in workloads.values():
+        workload.examples()  # a missing or malformed data file fails now, before any model loads
     summary = args.summary
     if args.offset and summary:
         logger.info("--offset %d: rows of examples %d-%d alone are not merged into %s; run `cachecert eval "
@@ -327,8 +404,7 @@ def _cmd_eval_transfer(args: argparse.Namespace) -> int:
     for pair in pairs:
         sender, receiver = load_pair(pair)
         splits = _parse_splits(args.splits, receiver.geometry.num_layers)
-        for workload_name in workloads:
-            workload = get_workload(workload_name, data=args.data)
+        for workload in workloads.values():
             mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration,
                                   hidden_width=args.hidden_width, anchor=args.anchor)
             if args.anchor is not None and not args.no_scores:
@@ -356,7 +432,7 @@ def _finish_transfer_rows(rows: list[dict], workload: Any, n_calibration: int | 
         if n_calibration is not None:
             row["n_calibration_contexts"] = n_calibration
     if summary:
-        _merge_rows(summary, rows)
+        _merge_rows(summary, rows, flag="--summary")
     if not as_json:
         for r in rows:
             fmt = {k: "-" if r.get(k) is None else f"{r[k]:.3f}" for k in (
@@ -386,6 +462,7 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.transfer_cost import transfer_cost
     from cachecert_agents.eval.transfer_eval import build_mapper
 
+    _read_results(args.out, "--out")
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
     mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration, hidden_width=args.hidden_width,
@@ -406,6 +483,7 @@ def _cmd_bench_transfer_cost(args: argparse.Namespace) -> int:
 def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.cti_cost import cti_cost
 
+    existed = _read_results(args.out, "--out") is not None
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
     row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.propagation_contexts,
@@ -416,7 +494,7 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
         from cachecert_agents.eval.cti_report import write_cti_cost_report
 
         _merge_rows(args.out, [row], key=("sender", "receiver", "workload"))
-        write_cti_cost_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"))
+        write_cti_cost_report(json.loads(Path(args.out).read_text()), _markdown_beside(args.out, existed))
     if not args.json:
         c, m = row["cti"], row["mapper_route"]
         mapper_s = m["statistics_pass_s"] + m["heldout_pass_s"] + m["fit_s"]
@@ -434,13 +512,14 @@ def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
 
     from cachecert_agents.eval.transfer_eval import build_mapper, diagnose_splits
 
+    _read_results(args.summary, "--summary")
     sender, receiver, workload = _load_pair(args)
     splits = [s for s in _parse_splits(args.splits, receiver.geometry.num_layers)
               if 0 < s < receiver.geometry.num_layers]
     mapper = build_mapper(sender, receiver, workload, splits, args.n_calibration)
     rows = diagnose_splits(sender, receiver, workload, mapper, splits, args.n, Path(args.results_dir))
     if args.summary:
-        _merge_rows(args.summary, rows, key=("sender", "receiver", "workload", "split", "variant"))
+        _merge_rows(args.summary, rows, key=("sender", "receiver", "workload", "split", "variant"), flag="--summary")
     if not args.json:
         for r in rows:
             print(f"split@{r['split']:<3} {r['variant']:13} n={r['n']} score={r['score']:.3f} "
@@ -458,6 +537,9 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.transfer_eval import load_records, records_path, summarise
     from cachecert_agents.eval.workloads import get_workload
 
+    _read_results(args.summary, "--summary")
+    if args.pair == ("all", "all") or args.workload == "all":
+        raise CacheCertError("eval summarise takes one --pair SENDER:RECEIVER and one --workload")
     sender, receiver = args.pair
     workload = get_workload(args.workload, data=args.data)
     ids = [e.id for e in workload.examples("evaluation")[:args.n]]
@@ -481,6 +563,8 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.report import transfer_markdown
     from cachecert_agents.eval.workloads import WORKLOADS, DataNotFoundError, get_workload
 
+    if _read_results(args.results, "--results") is None:
+        raise CacheCertError(f"no results file at {args.results}; run `cachecert eval transfer` first")
     available = {}
     for name in WORKLOADS:  # evaluation examples per workload, where the data is on disk
         try:
@@ -504,6 +588,15 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     from cachecert_agents.models.handle import ModelHandle
 
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
+    earlier = _read_results(args.out, "--out", dict)
+    if earlier is not None and not isinstance(earlier.get("pairs"), list):
+        raise CacheCertError(f"--out {args.out} is not a `cachecert cti` results file (no results.pairs); pass "
+                             f"another --out")
+    if (args.all or args.out) and _read_results(args.transfer, "--transfer") is None:
+        logger.warning("no transfer results at --transfer %s: the index is not correlated with retention",
+                       args.transfer)
+    if args.pair == ("all", "all"):
+        raise CacheCertError("cti takes --all for every pair, or one --pair SENDER:RECEIVER")
     if args.retention_workload and len(workloads) > 1:
         raise CacheCertError("--retention-workload takes one --workload (the index's calibration text)")
     if not (args.all or args.pair):
@@ -543,11 +636,11 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                       f"{r['baselines']['residual_fraction']:.3f}  splits: "
                       + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
     workload = workloads[0]
-    if args.out and Path(args.out).exists() and not args.retention_workload:
-        results = _merge_cti_pairs(json.loads(Path(args.out).read_text())["results"]["pairs"], results, args.out)
+    if earlier is not None and not args.retention_workload:
+        results = _merge_cti_pairs(earlier["pairs"], results, args.out)
     payload: dict = {"pairs": results}
     if args.all or args.out:
-        transfer_rows = json.loads(Path(args.transfer).read_text())["results"] if Path(args.transfer).exists() else []
+        transfer_rows = _read_results(args.transfer, "--transfer") or []
         if args.retention_workload and args.retention_workload != workload.name:
             # cross-workload: the index from this workload's calibration text, retention measured on another
             payload.update(statistics_workload=workload.name, retention_workload=args.retention_workload)
@@ -565,7 +658,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             write_result_file(args.out, payload)
             from cachecert_agents.eval.cti_report import write_cti_report
 
-            write_cti_report(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"),
+            write_cti_report(json.loads(Path(args.out).read_text()), _markdown_beside(args.out, earlier is not None),
                              _plot_dir(args), artifact_stem)
     _emit(payload if args.all else results[0], args.json)
     return 0
@@ -606,8 +699,14 @@ def _cmd_certify(args: argparse.Namespace) -> int:
                                                       parse_method)
     from cachecert_agents.transfer.calibrate import pair_fingerprints
 
+    from cachecert_agents.eval.workloads import WORKLOADS
+
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
+    if args.workload not in WORKLOADS and not args.no_run:
+        raise CacheCertError(f"unknown workload {args.workload!r}; known workloads: {', '.join(WORKLOADS)}")
+    if Path(args.out).is_dir():
+        raise CacheCertError(f"--out {args.out} is a directory; give the certificate's file name")
     try:
         _, hidden_width, anchor, recompute = parse_method(args.method)
     except ValueError as err:
@@ -706,9 +805,12 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
     else:
         keys = [(args.pair[0], args.pair[1], w) for w in args.workload.split(",")]
     alphas = args.alpha
-    if args.out and Path(args.out).exists():
+    if not results_dir.is_dir():
+        raise CacheCertError(f"--results-dir {results_dir} is not a directory of transfer records")
+    existing = _read_results(args.out, "--out")
+    if existing:
         own = "the workloads' own"
-        labels = {r.get("agreement") or own for r in json.loads(Path(args.out).read_text()).get("results", [])}
+        labels = {r.get("agreement") or own for r in existing}
         if labels - {args.agreement or own}:
             raise CacheCertError(
                 f"{args.out} holds rows labelled by another agreement criterion ({', '.join(sorted(labels))}) than "
@@ -725,12 +827,14 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
                 continue
             rows += validate(labelled, alphas, args.splits, delta=args.delta)
     if not rows:
-        raise CacheCertError(f"no pair with >= {args.min_n} labelled requests in {results_dir}; run "
-                             f"`cachecert eval transfer` (it records risk scores) first")
+        found = ", ".join(f"{s}:{r} {w}" for s, r, w in recorded_pools(results_dir)) or "none"
+        raise CacheCertError(f"no pool of {'any pair' if args.pair == ('all', 'all') else ':'.join(args.pair)} "
+                             f"({args.workload}) with >= {args.min_n} labelled requests in {results_dir} (pools with "
+                             f"records there: {found}); run `cachecert eval transfer` (it records risk scores) first")
     if args.out:
         _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
         merged = json.loads(Path(args.out).read_text())["results"]
-        write_markdown(merged, _command_line(), Path(args.out).with_suffix(".md"))
+        write_markdown(merged, _command_line(), _markdown_beside(args.out, existing is not None))
         redone = {pool_key(r) for r in rows}  # the other pools' plots are already there, unchanged
         plot_certification([r for r in merged if pool_key(r) in redone], _plot_dir(args))
     if not args.json:
@@ -748,21 +852,21 @@ def _command_line() -> str:
     return "cachecert " + " ".join(sys.argv[1:])
 
 
-def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method")
-                ) -> None:
+def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method"),
+                flag: str = "--out") -> None:
     """Merge rows into a results file by ``key``, keeping the other rows; each row records its command.
 
     A row measured on more examples (``n``) than the new row with the same key is kept, with a warning: a
     shorter rerun must not replace a longer measurement (``cachecert eval summarise`` rebuilds a row from every
     record on disk)."""
-    from pathlib import Path
-
     for row in rows:
         row.setdefault("command", _command_line())
 
-    existing: list[dict] = []
-    if Path(path).exists():
-        existing = json.loads(Path(path).read_text()).get("results", [])
+    existing: list[dict] = _read_results(path, flag) or []
+    broken = next((r for r in existing if not all(k in r for k in key)), None)
+    if broken is not None:
+        raise CacheCertError(f"{flag} {path}: a row lacks {', '.join(k for k in key if k not in broken)}, so it is "
+                             f"not a results file of this command; pass another {flag}")
     old_by_key = {tuple(r[k] for k in key): r for r in existing}
     kept_new = []
     for row in rows:
@@ -876,6 +980,7 @@ def _cmd_bench_agents(args: argparse.Namespace) -> int:
 
     if args.overhead_only:
         return _bench_overhead_only(args)
+    existed = _read_results(args.out, "--out", dict) is not None
     runtime, workload = _report_setup(args, args.audit_log)
     examples = workload.examples("evaluation", limit=args.sets)
     sets_path = Path(args.out).with_suffix(".sets.jsonl")
@@ -889,8 +994,11 @@ def _cmd_bench_agents(args: argparse.Namespace) -> int:
     print(f"wrapper overhead on a prefill step (nothing to reuse): median {overhead['overhead_median']:.2%} "
           f"over {overhead['n']} steps")
     payload = {"summary": summary, "overhead": overhead, "sets": records}
+    from cachecert_agents.artifacts import keep_aside
+
+    keep_aside(args.out)  # an earlier run's figures are renamed, not overwritten
     write_result_file(args.out, payload)
-    write_agents_markdown(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".md"))
+    write_agents_markdown(json.loads(Path(args.out).read_text()), _markdown_beside(args.out, existed))
     runtime.close()
     return 0
 
@@ -907,7 +1015,7 @@ def _bench_overhead_only(args: argparse.Namespace) -> int:
     from cachecert_agents.models.handle import ModelHandle
 
     out = Path(args.out)
-    if not out.exists():
+    if _read_results(args.out, "--out", dict) is None:
         raise CacheCertError(f"--overhead-only updates an existing {out}; run `cachecert bench agents` first")
     payload = json.loads(out.read_text())
     if args.writer in registry.EMBEDDED_MODELS:
@@ -935,12 +1043,16 @@ def _cmd_audit_report(args: argparse.Namespace) -> int:
     from cachecert_agents.cert.audit import AuditLog, summarise_audits
 
     log = AuditLog(args.log)
-    if not log.path.exists():
-        raise CacheCertError(f"no audit log at {log.path}")
-    rows = summarise_audits(log.records(), args.confidence)
+    if not log.path.is_file():
+        raise CacheCertError(f"no audit log at {log.path}" + (" (a directory)" if log.path.is_dir() else ""))
+    records = log.records()
+    rows = summarise_audits(records, args.confidence)
+    if not rows:
+        raise CacheCertError(f"{log.path} holds no valid audit records ({len(records)} read, every one skipped: see "
+                             f"the warnings)" if records else f"{log.path} holds no audit records")
     if not args.json:
         for r in rows:
-            print(f"{r['sender']}->{r['receiver']} certificate={r['certificate_id'][:12]:12} node={r['node']:10} "
+            print(f"{r['sender']}->{r['receiver']} certificate={str(r['certificate_id'])[:12]:12} node={r['node']:10} "
                   f"audited={r['audited']:4d} "
                   f"silent_failures={r['silent_failures']:3d} rate={r['rate']:.3f} "
                   f"exact {100 * r['confidence']:.0f}% interval [{r['exact_low']:.3f}, {r['exact_high']:.3f}] "
@@ -962,15 +1074,15 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
-    p.add_argument("--sets", type=int, default=sets, help="document sets (FreshWiki evaluation articles)")
+    p.add_argument("--sets", type=_positive_int, default=sets, help="document sets (FreshWiki evaluation articles)")
     p.add_argument("--data", help="FreshWiki folder (default: the sample under examples/, else ../shared/data)")
     p.add_argument("--planner", default="gemma3-270m", help="model of the planner and reviewer nodes")
     p.add_argument("--writer", default="smollm2-135m", help="model of the writer node (the transfer receiver)")
-    p.add_argument("--split", default="L", help="transfer method of the route: split layer, fraction, or L")
+    p.add_argument("--split", default="L", type=_split_spec, help="transfer method of the route: split layer, fraction, or L")
     p.add_argument("--alpha", type=_probability, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
-    p.add_argument("--n-mapper", type=int, default=10, help="calibration articles for the mapper")
-    p.add_argument("--audit-probability", type=float, default=0.5)
+    p.add_argument("--n-mapper", type=_positive_int, default=10, help="calibration articles for the mapper")
+    p.add_argument("--audit-probability", type=_unit_interval, default=0.5)
     p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")
     p.add_argument("--device", default="cpu")
 
@@ -1000,7 +1112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, action="append",
                    help="embedded model name, local directory or Hugging Face id (repeat for several)")
     p.add_argument("--out", help="also write the results, with this command, to a JSON file")
-    p.add_argument("--context-tokens", type=int, default=640)
+    p.add_argument("--context-tokens", type=_positive_int, default=640)
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
@@ -1008,11 +1120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="collect pair statistics on a workload's calibration split, fit mappers")
     _add_pair_args(p)
-    p.add_argument("--n-contexts", type=int, default=32)
-    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+    p.add_argument("--n-contexts", type=_positive_int, default=32)
+    p.add_argument("--hidden-width", type=_positive_int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")
-    p.add_argument("--anchor", type=int, default=None, metavar="A",
+    p.add_argument("--anchor", type=_non_negative_int, default=None, metavar="A",
                    help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
                         "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
@@ -1024,17 +1136,17 @@ def build_parser() -> argparse.ArgumentParser:
     esub = ev.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("transfer", help="full prefill vs transfer on the same examples, with controls")
     _add_pair_args(p)
-    p.add_argument("--n", type=int, default=100, help="evaluation examples")
-    p.add_argument("--offset", type=int, default=0,
+    p.add_argument("--n", type=_positive_int, default=100, help="evaluation examples")
+    p.add_argument("--offset", type=_non_negative_int, default=0,
                    help="start at this evaluation example (e.g. --offset 100 --n 50: examples 100-149); the summary "
                         "is then left alone: rebuild it with `eval summarise --n OFFSET+N`")
-    p.add_argument("--n-calibration", type=int, default=None,
+    p.add_argument("--n-calibration", type=_positive_int, default=None,
                    help="calibration contexts for the mapper; one cached with another number is refitted (kept "
                         "aside). Default: the cached mapper's, else 32")
-    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+    p.add_argument("--hidden-width", type=_positive_int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")
-    p.add_argument("--anchor", type=int, default=None, metavar="A",
+    p.add_argument("--anchor", type=_non_negative_int, default=None, metavar="A",
                    help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
                         "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
@@ -1061,8 +1173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = esub.add_parser("diagnose", help="split transfer with true KV or true residual stream swapped in")
     _add_pair_args(p)
-    p.add_argument("--n", type=int, default=12)
-    p.add_argument("--n-calibration", type=int, default=None,
+    p.add_argument("--n", type=_positive_int, default=12)
+    p.add_argument("--n-calibration", type=_positive_int, default=None,
                    help="calibration contexts for the mapper; one cached with another number is refitted (kept "
                         "aside). Default: the cached mapper's, else 32")
     p.add_argument("--results-dir", default="docs/results/transfer")
@@ -1075,8 +1187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--n", type=int, default=100, help="the first N evaluation examples")
-    p.add_argument("--n-calibration", type=int, default=None, help="recorded in the rows (the mapper's contexts)")
+    p.add_argument("--n", type=_positive_int, default=100, help="the first N evaluation examples")
+    p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts)")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge the rows into this file")
     p.add_argument("--json", action="store_true")
@@ -1096,7 +1208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=_probabilities, default="0.05,0.1,0.2", help="risk budgets, comma-separated")
     p.add_argument("--delta", type=_probability, default=0.1, help="LTT's delta (rows for CRC are always made)")
     p.add_argument("--splits", type=_positive_int, default=500, help="random calibration/test splits")
-    p.add_argument("--min-n", type=int, default=40, help="skip methods with fewer labelled requests")
+    p.add_argument("--min-n", type=_positive_int, default=40, help="skip methods with fewer labelled requests")
     p.add_argument("--results-dir", default="docs/results/transfer", help="labelled requests (eval transfer JSONL)")
     p.add_argument("--screen", default=None, metavar="METHOD",
                    help="also validate every other method screened by METHOD's risk score (e.g. ridge-kv: the "
@@ -1118,14 +1230,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="hotpotqa",
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
     p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--query-contexts", type=int, default=8,
+    p.add_argument("--query-contexts", type=_positive_int, default=8,
                    help="calibration contexts for the query statistics (with the mapper's statistics; "
                         "--statistics-contexts takes them from its own pass)")
-    p.add_argument("--statistics-contexts", type=int, default=None, metavar="K",
+    p.add_argument("--statistics-contexts", type=_positive_int, default=None, metavar="K",
                    help="collect the pair's statistics and the receiver's query statistics for the index in one pass "
                         "over K calibration contexts (cached apart; no mapper fitted) instead of reading the mapper's "
                         "from `cachecert calibrate`")
-    p.add_argument("--propagation-contexts", type=int, default=2,
+    p.add_argument("--propagation-contexts", type=_positive_int, default=2,
                    help="calibration contexts on which the receiver propagates each split's stream error (the split "
                         "model; 0: the first-order model, no receiver forward)")
     p.add_argument("--residual", choices=("gcv", "calibration"), default="gcv",
@@ -1134,7 +1246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer", default="docs/results/transfer.json", help="measured retention to correlate with")
     p.add_argument("--retention-workload", help="correlate with retention measured on this workload instead "
                                                 "(the cross-workload check: index from --workload's calibration text)")
-    p.add_argument("--cosine-examples", type=int, default=0,
+    p.add_argument("--cosine-examples", type=_non_negative_int, default=0,
                    help="also the attention-output cosine baseline of the fitted mapper on this many evaluation "
                         "examples (needs the mapper and both models; the expensive predictor CTI replaces)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
@@ -1154,8 +1266,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--method only when the certificate accepts it")
     p.add_argument("--alpha", type=_probability, required=True, help="risk budget: rate of unsafe transfers served")
     p.add_argument("--delta", type=_probability, default=None, help="LTT: the guarantee holds with probability 1-delta")
-    p.add_argument("--n", type=int, default=100, help="labelled requests wanted (labels are run when fewer)")
-    p.add_argument("--n-calibration", type=int, default=None,
+    p.add_argument("--n", type=_positive_int, default=100, help="labelled requests wanted (labels are run when fewer)")
+    p.add_argument("--n-calibration", type=_positive_int, default=None,
                    help="mapper calibration contexts if it is built (default: the cached mapper's, else 32)")
     p.add_argument("--no-run", action="store_true", help="never run the models; fail when labels are missing")
     p.add_argument("--no-guard", action="store_true",
@@ -1176,19 +1288,19 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("transfer-cost", help="transfer time vs receiver prefill time at fixed context lengths")
     _add_pair_args(p)
-    p.add_argument("--n-calibration", type=int, default=None,
+    p.add_argument("--n-calibration", type=_positive_int, default=None,
                    help="calibration contexts for the mapper; one cached with another number is refitted (kept "
                         "aside). Default: the cached mapper's, else 32")
-    p.add_argument("--context-tokens", default="1024,2048")
-    p.add_argument("--hidden-width", type=int, default=None, metavar="W",
+    p.add_argument("--context-tokens", default="1024,2048", type=_positive_ints)
+    p.add_argument("--hidden-width", type=_positive_int, default=None, metavar="W",
                    help="time the split@K+wW mapper (see eval transfer --hidden-width)")
-    p.add_argument("--anchor", type=int, default=None, metavar="A", help="time the +aA mapper (see eval transfer)")
+    p.add_argument("--anchor", type=_non_negative_int, default=None, metavar="A", help="time the +aA mapper (see eval transfer)")
     p.add_argument("--recompute", type=_parse_percentages, default=(), metavar="P[,P...]",
                    help="also time the pure KV transfer (as eval transfer) repaired by selective recompute of P "
                         "percent (methods ...+rP)")
     p.add_argument("--recompute-splits", default=None, metavar="SPLITS",
                    help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=_positive_int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
@@ -1196,11 +1308,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bsub.add_parser("cti-cost", help="time to compute the CTI vs time to fit a mapper and measure retention")
     _add_pair_args(p)
-    p.add_argument("--statistics-contexts", type=int, default=4,
+    p.add_argument("--statistics-contexts", type=_positive_int, default=4,
                    help="calibration contexts of the CTI's single pass (statistics and query statistics)")
-    p.add_argument("--propagation-contexts", type=int, default=2, help="calibration contexts of the propagation")
-    p.add_argument("--n-calibration", type=int, default=20, help="calibration contexts of the mapper (+4 held out)")
-    p.add_argument("--eval-examples", type=int, default=4, help="evaluation examples timed (then extrapolated)")
+    p.add_argument("--propagation-contexts", type=_positive_int, default=2, help="calibration contexts of the propagation")
+    p.add_argument("--n-calibration", type=_positive_int, default=20, help="calibration contexts of the mapper (+4 held out)")
+    p.add_argument("--eval-examples", type=_positive_int, default=4, help="evaluation examples timed (then extrapolated)")
     p.add_argument("--out", default="docs/results/cti_cost.json", help="merge the row into this file")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
@@ -1213,8 +1325,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bsub.add_parser("agents", help="report pipeline: wrapper vs plain prefill, audits, wrapper overhead")
     _add_report_args(p, sets=30)
-    p.add_argument("--overhead-steps", type=int, default=8, help="examples in the overhead benchmark")
-    p.add_argument("--overhead-repeats", type=int, default=1, help="rounds over those examples")
+    p.add_argument("--overhead-steps", type=_positive_int, default=8, help="examples in the overhead benchmark")
+    p.add_argument("--overhead-repeats", type=_positive_int, default=1, help="rounds over those examples")
     p.add_argument("--overhead-only", action="store_true",
                    help="only re-measure the wrapper's overhead and update that part of --out")
     p.add_argument("--audit-log", default="docs/results/agents_audit.jsonl")

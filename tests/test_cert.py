@@ -308,6 +308,51 @@ def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path
         screened_requests(screened, pool["ridge-kv"])
 
 
+def test_results_commands_refuse_files_that_are_not_theirs_and_keep_foreign_reports(tmp_path, capsys):
+    """A --out/--summary that is not a cachecert results file (another JSON document, a list, garbage, a folder) is
+    refused before any work, naming the flag, and left as it was; a report (.md) found beside a new results file
+    is kept aside, not overwritten."""
+    from cachecert_agents.cli import main
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _write_screened_pool(results / "s__r__w.jsonl")
+    base = ["eval", "cert", "--pair", "s:r", "--workload", "w", "--alpha", "0.2", "--splits", "10", "--min-n", "20",
+            "--results-dir", str(results), "--plots", str(tmp_path / "plots")]
+    foreign = {"precious.json": '{"format": "cachecert-certificate", "alpha": 0.1}', "list.json": "[1, 2, 3]",
+               "garbage.json": "not json", "rows.json": '{"results": [{"sender": "x"}]}'}
+    for name, text in foreign.items():
+        (tmp_path / name).write_text(text)
+        assert main(base + ["--out", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and name in err and "Traceback" not in err
+        assert (tmp_path / name).read_text() == text  # untouched
+    (tmp_path / "folder").mkdir()
+    assert main(base + ["--out", str(tmp_path / "folder")]) == 2 and "directory" in capsys.readouterr().err
+    notes = tmp_path / "fresh.md"
+    notes.write_text("my own notes")
+    assert main(base + ["--out", str(tmp_path / "fresh.json")]) == 0
+    kept = list(tmp_path.glob("fresh.md.replaced-*"))
+    assert len(kept) == 1 and kept[0].read_text() == "my own notes" and notes.read_text() != "my own notes"
+    assert main(base + ["--out", str(tmp_path / "fresh.json")]) == 0  # our own report is simply regenerated
+    assert len(list(tmp_path.glob("fresh.md.replaced-*"))) == 1
+    with pytest.raises(SystemExit):
+        main(["eval", "cert", "--pair", "s:s", "--workload", "w"])
+    assert "names 's' twice" in capsys.readouterr().err
+
+
+def test_audit_report_names_a_log_with_nothing_valid(tmp_path, capsys):
+    from cachecert_agents.cli import main
+
+    empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("")
+    bad.write_text(json.dumps({"sender": "a", "receiver": "b", "unsafe": False, "alpha": 0.1, "certificate_id": 7})
+                   + "\n" + json.dumps({"sender": None, "receiver": "b", "unsafe": False, "alpha": 0.1}) + "\n")
+    assert main(["audit", "report", str(empty)]) == 2 and "holds no audit records" in capsys.readouterr().err
+    assert main(["audit", "report", str(bad)]) == 2 and "no valid audit records" in capsys.readouterr().err
+    assert main(["audit", "report", str(tmp_path)]) == 2 and "a directory" in capsys.readouterr().err
+
+
 def test_eval_cert_and_certify_commands_with_a_screen(tmp_path, cache_home):
     """The two commands end to end on labelled requests (no model runs): validation rows and plots for the
     screened method, then a two-stage certificate bound to the pair's mapper."""

@@ -200,9 +200,9 @@ def test_recorded_pools_lists_records_files_only(tmp_path):
 def test_eval_transfer_refuses_a_negative_offset_before_loading_models(capsys):
     from cachecert_agents.cli import main
 
-    assert main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa",
-                 "--offset", "-1"]) == 2
-    assert "--offset must be 0 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # an argparse usage error
+        main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa", "--offset", "-1"])
+    assert exc.value.code == 2 and "--offset: must be 0 or more" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [

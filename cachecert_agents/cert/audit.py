@@ -140,6 +140,11 @@ def parse_audit_record(record: Any) -> AuditRecord:
     missing = [k for k in ("sender", "receiver", "unsafe", "alpha") if k not in record]
     if missing:
         raise ValueError(f"record lacks {', '.join(missing)}")
+    for key in ("sender", "receiver"):
+        if not isinstance(record[key], str) or not record[key]:
+            raise ValueError(f"{key} must be a model name, got {record[key]!r}")
+    if not isinstance(record.get("certificate_id"), (str, type(None))):
+        raise ValueError(f"certificate_id must be a string, got {record['certificate_id']!r}")
     if not (isinstance(record["unsafe"], bool) or record["unsafe"] in (0, 1)):  # 0/1 from other writers too
         raise ValueError(f"unsafe must be true or false, got {record['unsafe']!r}")
     try:
@@ -148,7 +153,7 @@ def parse_audit_record(record: Any) -> AuditRecord:
         raise ValueError(f"alpha must be a number, got {record['alpha']!r}") from None
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
-    return AuditRecord(str(record["sender"]), str(record["receiver"]), record.get("certificate_id"),
+    return AuditRecord(record["sender"], record["receiver"], record.get("certificate_id"),
                        str(record.get("node") or "-"), bool(record["unsafe"]), alpha)
 
 
