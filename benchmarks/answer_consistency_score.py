@@ -23,14 +23,13 @@ tokens that a deployment would share with the transfer, so its cost is overstate
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
+from pool_args import parse_pool_args
 
 from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, validate
 from cachecert_agents.eval.transfer_eval import recorded_pools, records_path
@@ -84,14 +83,7 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", type=Path, default=Path("docs/results/transfer"))
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--splits", type=int, default=500)
-    ap.add_argument("--min-n", type=int, default=30, help="skip pools with fewer labelled requests holding the check")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    args = parse_pool_args(__doc__, "skip pools with fewer labelled requests holding the check")
     rows = [row for sender, receiver, workload in recorded_pools(args.results)
             for row in pool_rows(args.results, sender, receiver, workload, args.alpha, args.splits, args.min_n)]
     summary = {}

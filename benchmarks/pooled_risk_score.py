@@ -20,17 +20,15 @@ saving with the savings guard. A score containing geometry is charged like geome
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
-import logging
 import shlex
 import sys
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from pool_args import parse_pool_args
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cert_eval import LabelledRequests, labelled_requests, validate
@@ -64,14 +62,7 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-2, steps: int = 50
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", type=Path, default=Path("docs/results/transfer"))
-    ap.add_argument("--alpha", type=float, default=0.1)
-    ap.add_argument("--splits", type=int, default=500)
-    ap.add_argument("--min-n", type=int, default=30, help="skip pools with fewer labelled requests")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    args = parse_pool_args(__doc__)
     pools = {(s, r, w, m): lab for s, r, w in recorded_pools(args.results)
              for m, lab in labelled_requests(args.results, s, r, w).items() if len(lab) >= args.min_n}
     rows = []

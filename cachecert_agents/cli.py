@@ -238,15 +238,27 @@ def _parse_splits(text: str, num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
-def _probability(text: str) -> float:
-    """A risk budget, delta or confidence: a number strictly between 0 and 1 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
-    if not 0 < value < 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text!r}")
-    return value
+def _checked(convert: Any, ok: Any, what: str) -> Any:
+    """An argparse type: ``convert(text)``, which must satisfy ``ok``; otherwise a usage error saying ``what`` was
+    expected (NaN fails every range check)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type by it in some messages
+    return parse
+
+
+#: a risk budget, delta or confidence
+_probability = _checked(float, lambda v: 0 < v < 1, "a number strictly between 0 and 1")
+_unit_interval = _checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")  # a probability that may be 0 or 1
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _probabilities(text: str) -> list[float]:
@@ -255,37 +267,6 @@ def _probabilities(text: str) -> list[float]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers between 0 and 1, got {text!r}")
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
-    return value
-
-
-def _unit_interval(text: str) -> float:
-    """A probability that may be 0 or 1 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0 <= value <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text!r}")
-    return value
 
 
 def _positive_ints(text: str) -> str:

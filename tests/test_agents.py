@@ -363,15 +363,21 @@ def test_audits_flag_a_failing_pair_and_it_falls_back(pair, artifacts, tmp_path,
     assert pair_row["above_alpha"] and pair_row["silent_failures"] == pair_row["audited"] >= 2
 
 
-def test_audit_flags_belong_to_a_certificate_across_restarts(pair, artifacts, tmp_path):
-    """A restarted runtime keeps the flag of the certificate that earned it, and a recalibrated pair (another
-    certificate) starts afresh: old failures neither block it nor are diluted by its clean audits."""
-    failing = artifacts("failing.json", alpha=0.05)
-    runtime = make_runtime(pair, tmp_path, failing, audit_probability=1.0)
+def failing_runtime(pair, tmp_path, cert_path):
+    """A runtime whose every audited transfer disagrees, run until the certificate at ``cert_path`` is flagged."""
+    runtime = make_runtime(pair, tmp_path, cert_path, audit_probability=1.0)
     runtime.route("tiny-s", "tiny-r").agree = lambda served, full: False
     for i in range(12):
         runtime.generate("tiny-s", CONTEXT + f" item {i}", "outline")
         runtime.generate("tiny-r", CONTEXT + f" item {i}", "write")
+    return runtime
+
+
+def test_audit_flags_belong_to_a_certificate_across_restarts(pair, artifacts, tmp_path):
+    """A restarted runtime keeps the flag of the certificate that earned it, and a recalibrated pair (another
+    certificate) starts afresh: old failures neither block it nor are diluted by its clean audits."""
+    failing = artifacts("failing.json", alpha=0.05)
+    runtime = failing_runtime(pair, tmp_path, failing)
     assert runtime.summary()["flagged_pairs"] == ["tiny-s->tiny-r"]
     records = AuditLog(tmp_path / "audit.jsonl").records()
     assert {r["certificate_id"] for r in records} == {Certificate.load(failing).identity}
@@ -391,11 +397,7 @@ def test_re_adding_a_flagged_certificate_does_not_return_it_to_service(pair, art
     """Flags belong to a certificate's identity: registering the flagged one again, under its path or a copy's,
     leaves the pair out of service; only a new certificate is served."""
     failing = artifacts("failing.json", alpha=0.05)
-    runtime = make_runtime(pair, tmp_path, failing, audit_probability=1.0)
-    runtime.route("tiny-s", "tiny-r").agree = lambda served, full: False
-    for i in range(12):
-        runtime.generate("tiny-s", CONTEXT + f" item {i}", "outline")
-        runtime.generate("tiny-r", CONTEXT + f" item {i}", "write")
+    runtime = failing_runtime(pair, tmp_path, failing)
     copy_path = tmp_path / "copy.json"
     copy_path.write_bytes(Path(failing).read_bytes())
     for path in (failing, str(copy_path)):

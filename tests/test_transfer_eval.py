@@ -202,7 +202,7 @@ def test_eval_transfer_refuses_a_negative_offset_before_loading_models(capsys):
 
     with pytest.raises(SystemExit) as exc:  # an argparse usage error
         main(["eval", "transfer", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotqa", "--offset", "-1"])
-    assert exc.value.code == 2 and "--offset: must be 0 or more" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--offset: expected an integer >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
