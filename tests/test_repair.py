@@ -324,3 +324,30 @@ def test_pruned_positions_control_keeps_the_original_positions(tiny_tokenizer, t
     explicit = receiver.forward(prompt.suffix_ids, c,
                                 position_ids=torch.arange(start + index.numel(), start + index.numel() + m)).logits[-1]
     assert torch.allclose(explicit, packed, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [None, 1])  # None: every layer mapped (pure KV)
+def test_a_half_precision_receiver_gets_a_cache_in_its_own_dtype(tiny_tokenizer, split):
+    """The mapper runs in float32; its keys/values are cast to the receiver's dtype, so a bfloat16 receiver's
+    cache stays bfloat16 and generation on it works (pure KV, split and repaired transfers)."""
+    sender, receiver, mapper = _pair("llama", tiny_tokenizer, splits=(1,))
+    half = ModelHandle("tiny-b16", copy.deepcopy(receiver.model).to(torch.bfloat16), tiny_tokenizer)
+    split = half.geometry.num_layers if split is None else split
+    prompt = half.format_prompt(CONTEXT, QUESTION)
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    for recompute in (0.0, 0.3):
+        result = transfer(half, prompt, feats, mapper, split=split, recompute=recompute)
+        assert {layer.keys.dtype for layer in result.cache.layers} == {torch.bfloat16}
+        assert {layer.values.dtype for layer in result.cache.layers} == {torch.bfloat16}
+        assert len(half.generate(prompt.suffix_ids, cache=result.cache, max_new_tokens=3).token_ids) >= 1
+
+
+def test_a_prefix_cache_of_another_length_is_refused(tiny_tokenizer):
+    sender, receiver, mapper = _pair("llama", tiny_tokenizer)
+    prompt = receiver.format_prompt(CONTEXT, QUESTION)
+    feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
+    wrong = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids[:3]])).cache
+    with pytest.raises(ValueError, match="prefix_cache holds"):
+        transfer(receiver, prompt, feats, mapper, split=receiver.geometry.num_layers, prefix_cache=wrong)
+    with pytest.raises(ValueError, match="at least one input token"):
+        receiver.generate(prompt.suffix_ids[:0])

@@ -93,6 +93,17 @@ def test_artifacts_round_trip_and_refuse_a_wrong_pair(tmp_path):
         RidgeMapper.load(tmp_path / "mapper")
 
 
+def test_alignment_coverage_counts_an_uncovered_last_token():
+    """A receiver token past the sender's text (uncovered) is counted as such, not an index error."""
+    import numpy as np
+
+    from cachecert_agents.kv.alignment import align_tokens
+
+    cov = align_tokens(np.array([[0, 3], [3, 6], [6, 8]]), np.array([[0, 2], [2, 6]])).coverage()
+    assert cov["covered_fraction"] == pytest.approx(2 / 3)
+    assert cov["char_coverage"] == pytest.approx(6 / 8)
+
+
 def test_atomic_writes_from_many_threads_leave_one_whole_file_and_no_temporaries(tmp_path):
     import threading
 

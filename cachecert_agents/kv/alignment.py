@@ -47,11 +47,9 @@ class TokenAlignment:
         counts = np.diff(self.indptr)
         has_chars = self.receiver_chars > 0
         n = max(int(has_chars.sum()), 1)
-        covered_chars = np.add.reduceat(self.overlap, self.indptr[:-1]) if self.overlap.size else np.zeros(0)
-        covered = np.zeros(self.n_receiver)
+        covered = np.zeros(self.n_receiver)  # characters of each receiver token inside its sender tokens
+        np.add.at(covered, np.repeat(np.arange(self.n_receiver), counts), self.overlap)
         nonempty = counts > 0
-        if self.overlap.size:
-            covered[nonempty] = covered_chars[nonempty]
         exact = nonempty & (counts == 1) & (covered == self.receiver_chars)
         return {
             "covered_fraction": float((nonempty & has_chars).sum() / n),

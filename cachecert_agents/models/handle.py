@@ -236,7 +236,7 @@ class ModelHandle:
         if cache is None:
             cache = self.new_cache()
         if input_ids.numel() == 0:  # e.g. the empty prefix of a base model without BOS
-            return ForwardOutput(torch.zeros(0, self.geometry.vocab_size), cache)
+            return ForwardOutput(torch.zeros(0, self.geometry.vocab_size, device=self.device), cache)
         ids = input_ids.reshape(1, -1).to(self.device)
         kwargs: dict[str, Any] = {"use_cache": True, "cache": cache, "logits_to_keep": logits_to_keep}
         if position_ids is not None:
@@ -280,6 +280,8 @@ class ModelHandle:
         Stops at an end-of-sequence/turn token, when the decoded text contains one of ``stop_strings`` (the
         text is cut there), or at the length limit.
         """
+        if input_ids.numel() == 0:  # nothing to condition the first token on
+            raise ValueError("generate needs at least one input token (e.g. the prompt's suffix)")
         out = self.forward(input_ids, cache, position_ids=position_ids, logits_to_keep=1)
         next_pos = None if position_ids is None else int(position_ids.reshape(-1)[-1]) + 1
         return self.decode(out.cache, out.logits[-1], max_new_tokens, stop_strings, next_pos)

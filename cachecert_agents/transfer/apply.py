@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from cachecert_agents.kv.rope import apply_rope, rope_tables
-from cachecert_agents.models.handle import ModelHandle, PromptSegments
+from cachecert_agents.models.handle import ModelHandle, PromptSegments, synchronize
 from cachecert_agents.transfer.features import SenderFeatures, alignment_for, rms_normalise, unflatten_kv
 from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.repair import (choose_tokens_with_logits, full_length_cache, recompute_tokens,
@@ -136,14 +136,16 @@ def mapper_input(mapper: RidgeMapper, name: str, features: SenderFeatures,
 
 def mapped_kv(receiver: ModelHandle, mapper: RidgeMapper, features: SenderFeatures, layer: int,
               positions: torch.Tensor, anchor_x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]`` from
-    features already on the receiver's tokens (and, for an anchored mapper, the receiver's normalised stream at
-    the anchor, ``anchor_x`` ``[n, hidden_r]``)."""
+    """Predicted keys (RoPE applied at ``positions`` ``[n]``) and values ``[1, kv_heads, n, head_dim]``, in the
+    receiver's dtype, from features already on the receiver's tokens (and, for an anchored mapper, the receiver's
+    normalised stream at the anchor, ``anchor_x`` ``[n, hidden_r]``). The mapping itself runs in the mapper's
+    precision (float32), so a half-precision receiver gets keys rounded once, at the end."""
     geo = receiver.geometry
     x = mapper_input(mapper, f"kv:{layer}", features, anchor_x)
     k, v = unflatten_kv(mapper.predict(f"kv:{layer}", x.to(receiver.device)), geo.num_kv_heads, geo.head_dim)
     cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
-    return apply_rope(k, cos, sin), v
+    dtype = receiver.model.dtype
+    return apply_rope(k, cos, sin).to(dtype), v.to(dtype)
 
 
 @torch.inference_mode()
@@ -176,10 +178,13 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
     if not 0 <= split <= geo.num_layers:
         raise ValueError(f"split must be in [0, {geo.num_layers}], got {split}")
     cache = copy.deepcopy(prefix_cache) if prefix_cache is not None else receiver.prefill(prompt.prefix_ids).cache
+    start, end = prompt.context_span
+    if cache.get_seq_length() != start:  # the mapped rows would sit at positions the cache does not have
+        raise ValueError(f"prefix_cache holds {cache.get_seq_length()} tokens but the prompt's prefix has {start}: "
+                         f"pass the receiver's own cache of prompt.prefix_ids")
     full_length = bool(geo.sliding_layers) and (recompute > 0 or not windowed)
     if full_length:
         cache = full_length_cache(cache)
-    start, end = prompt.context_span
     positions = torch.arange(start, end)
     t0 = time.perf_counter()
     alignment = alignment_for(prompt.context_offsets, features.offsets) if split > 0 else None
@@ -209,7 +214,7 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
             if oracle in ("kv", "both"):
                 k, v = unflatten_kv(true_targets.kv[layer].to(receiver.device), geo.num_kv_heads, geo.head_dim)
                 cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(k.device))
-                k = apply_rope(k, cos, sin)
+                k, v = apply_rope(k, cos, sin).to(receiver.model.dtype), v.to(receiver.model.dtype)
             else:
                 k, v = mapped_kv(receiver, mapper, features, layer, positions)
             stubs[layer] = MappedLayer(layer, k, v, hidden if layer == split - 1 else None)
@@ -226,6 +231,7 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         observed = recompute_tokens(receiver, cache, prompt.context_ids, start, index)
     if full_length and windowed:
         cache = windowed_cache(cache, geo)
+    synchronize(receiver.device)  # a pure-KV transfer ends in queued cache writes, not in a (synchronised) forward
     elapsed = time.perf_counter() - t0
     return TransferResult(cache, split, elapsed, alignment.coverage() if alignment is not None else None, features,
                           index, observed, unrepaired, choice_s)

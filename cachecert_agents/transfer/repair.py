@@ -143,9 +143,11 @@ def suffix_pass_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.T
     start, end = span
     out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
     total = end + int(suffix_ids.numel())
-    relevance = torch.zeros(end - start, dtype=torch.float64)
-    for weights in out.attentions:  # [heads, m, total]
-        relevance += context_attention(weights, span, total).float().amax((0, 1)).cpu().double()
+    exact = torch.float32 if receiver.device.type == "mps" else torch.float64  # MPS has no float64
+    relevance = torch.zeros(end - start, dtype=exact, device=receiver.device)
+    for weights in out.attentions:  # [heads, m, total]; summed on the device, copied to the host once
+        relevance += context_attention(weights, span, total).float().amax((0, 1))
+    relevance = relevance.cpu().double()
     cache.crop(-int(suffix_ids.numel()))
     return relevance, out.logits[-1]
 
