@@ -342,12 +342,15 @@ def test_a_half_precision_receiver_gets_a_cache_in_its_own_dtype(tiny_tokenizer,
         assert len(half.generate(prompt.suffix_ids, cache=result.cache, max_new_tokens=3).token_ids) >= 1
 
 
-def test_a_prefix_cache_of_another_length_is_refused(tiny_tokenizer):
+def test_a_prefix_cache_of_another_length_or_features_of_another_text_are_refused(tiny_tokenizer):
     sender, receiver, mapper = _pair("llama", tiny_tokenizer)
     prompt = receiver.format_prompt(CONTEXT, QUESTION)
     feats = sender_features(sender, sender.format_prompt(CONTEXT, QUESTION))
     wrong = receiver.prefill(torch.cat([prompt.prefix_ids, prompt.context_ids[:3]])).cache
     with pytest.raises(ValueError, match="prefix_cache holds"):
         transfer(receiver, prompt, feats, mapper, split=receiver.geometry.num_layers, prefix_cache=wrong)
+    other = sender_features(sender, sender.format_prompt(CONTEXT + " and a bird", QUESTION))
+    with pytest.raises(ValueError, match="another context text"):
+        transfer(receiver, prompt, other, mapper, split=receiver.geometry.num_layers)
     with pytest.raises(ValueError, match="at least one input token"):
         receiver.generate(prompt.suffix_ids[:0])

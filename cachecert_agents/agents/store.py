@@ -139,7 +139,7 @@ def load_cached_context(stem: str | Path, device: str | None = None) -> CachedCo
     feats = None
     if "features.hidden" in t:
         feats = SenderFeatures(t["features.hidden"].to(device or "cpu"), t["features.offsets"],
-                               header["features_prefill_s"])
+                               header["features_prefill_s"], header["context_text"])
     return CachedContext(header["model"], header["key"], header["text_key"], prompt, cache, feats,
                          header["prefill_s"], header["created"], header.get("model_id", ""))
 

@@ -179,6 +179,9 @@ def transfer(receiver: ModelHandle, prompt: PromptSegments, features: SenderFeat
         raise ValueError(f"split must be in [0, {geo.num_layers}], got {split}")
     cache = copy.deepcopy(prefix_cache) if prefix_cache is not None else receiver.prefill(prompt.prefix_ids).cache
     start, end = prompt.context_span
+    if features.context_text is not None and features.context_text != prompt.context_text:
+        raise ValueError("the sender's features were computed over another context text than the receiver's prompt "
+                         f"({len(features.context_text)} against {len(prompt.context_text)} characters)")
     if cache.get_seq_length() != start:  # the mapped rows would sit at positions the cache does not have
         raise ValueError(f"prefix_cache holds {cache.get_seq_length()} tokens but the prompt's prefix has {start}: "
                          f"pass the receiver's own cache of prompt.prefix_ids")

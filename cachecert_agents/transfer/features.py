@@ -25,12 +25,14 @@ from cachecert_agents.models.handle import ModelHandle, PromptSegments, QKCaptur
 @dataclass
 class SenderFeatures:
     """``hidden`` ``[num_layers + 1, n_context, hidden]`` (float32, RMS-normalised; index 0 = embeddings) over
-    the sender's context tokens, their character ``offsets`` ``[n_context, 2]``, and the sender's prefill time of
-    prefix + context in seconds (not a cost of the transfer: the sender already paid it)."""
+    the sender's context tokens, their character ``offsets`` ``[n_context, 2]``, the sender's prefill time of
+    prefix + context in seconds (not a cost of the transfer: the sender already paid it), and the context text the
+    offsets point into (None when not recorded), which a transfer checks against the receiver's."""
 
     hidden: torch.Tensor
     offsets: torch.Tensor
     prefill_s: float
+    context_text: str | None = None
 
     def select(self, layers: list[int]) -> torch.Tensor:
         """``[n_context, len(layers) * hidden]``: the chosen layer boundaries side by side."""
@@ -44,7 +46,7 @@ class SenderFeatures:
         n_layers, n, d = self.hidden.shape
         flat = self.hidden.permute(1, 0, 2).reshape(n, n_layers * d)
         pooled = alignment.pool(flat).reshape(alignment.n_receiver, n_layers, d).permute(1, 0, 2)
-        return SenderFeatures(pooled.contiguous(), self.offsets, self.prefill_s)
+        return SenderFeatures(pooled.contiguous(), self.offsets, self.prefill_s, self.context_text)
 
 
 def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -68,7 +70,7 @@ def prefill_with_features(model: ModelHandle, prompt: PromptSegments, keep_featu
     with model.capture_residual_stream(start, end, transform=rms_normalise) as hidden:
         out = model.forward(prompt.input_ids[:end], logits_to_keep=1)
     elapsed = time.perf_counter() - t0
-    return out.cache, SenderFeatures(hidden, prompt.context_offsets, elapsed), elapsed
+    return out.cache, SenderFeatures(hidden, prompt.context_offsets, elapsed, prompt.context_text), elapsed
 
 
 def sender_features(sender: ModelHandle, prompt: PromptSegments) -> SenderFeatures:
