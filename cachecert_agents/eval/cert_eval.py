@@ -201,8 +201,9 @@ def perfect_score_saving(unsafe: np.ndarray, gain_served: np.ndarray, gain_refus
 
     It accepts every safe request it gains on, then the unsafe requests with the largest gain over refusal while
     the budget lasts. On any test set where a certificate's realised risk is at most ``alpha`` it saves at most
-    this set's optimum (and it pays the finite-sample correction besides), so the pool's optimum bounds the mean
-    certified saving up to split noise: the gap between the two is the score's, the rest of the way to 1 is the
+    that set's optimum (and it pays the finite-sample correction besides). The pool's optimum is an in-sample
+    reference, not a strict bound on the mean certified saving (a test half's optimum can exceed it, and CRC holds
+    risk at ``alpha`` only on average): roughly, the gap to it is the score's, the rest of the way to 1 is the
     transfers' (their unsafe rate).
     Arrays of shape ``(n,)``: ``unsafe`` in {0, 1}, gains in fractions of the receiver's prefill time."""
     u = np.asarray(unsafe, dtype=float) > 0.5
