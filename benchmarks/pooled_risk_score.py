@@ -13,7 +13,7 @@ The difference between the two is the geometry score's marginal value. Because t
 evaluated pool, the pooled score is a fixed function of the request there and CRC's guarantee holds exactly as for
 any other score. Each score is validated like ``cachecert eval cert`` (CRC at ``--alpha``, ``--splits`` random
 half/half splits, :func:`cachecert_agents.eval.cert_eval.validate`): AUC, mean realised risk and the certified
-saving with the savings guard. A score containing geometry is charged like geometry (the whole suffix pass).
+saving with the savings guard. Every score but the constant is charged alike (:meth:`LabelledRequests.gains`).
 
     python benchmarks/pooled_risk_score.py --out docs/results/pooled_risk_score.json
 """

@@ -268,16 +268,16 @@ def _write_screened_pool(path, n=80, seed=2, mapper_sha256=None):
                                 "risk": risk(float(rng.uniform())), "mapper_sha256": mapper_sha256})
 
 
-def test_a_score_combining_geometry_is_charged_like_geometry(tmp_path):
-    """Geometry needs the whole suffix pass whether served or refused (charged conservatively); a score built on it
-    (e.g. a pooled combination) pays the same, while an output score pays the pass only when refused."""
+def test_every_score_but_the_constant_pays_the_suffix_pass_only_when_refused(tmp_path):
+    """The scoring pass is the answer's first step (its logits seed decoding), for geometry as for entropy: served,
+    a request pays its transfer and the score arithmetic; refused, the pass too, then a prefill."""
     _write_screened_pool(tmp_path / "s__r__w.jsonl")
     pool = labelled_requests(tmp_path, "s", "r", "w")["split@2"]
-    geometry = pool.gains("geometry")
-    for served, refused in (pool.gains("pooled:entropy+margin+geometry"), geometry):
-        np.testing.assert_allclose(served, 1 - (2.0 + 0.2 + 0.05) / 4.0)
+    for score in ("geometry", "entropy", "margin", "pooled:entropy+margin+geometry"):
+        served, refused = pool.gains(score)
+        np.testing.assert_allclose(served, 1 - (2.0 + 0.05) / 4.0)
         np.testing.assert_allclose(refused, -(2.0 + 0.2 + 0.05) / 4.0)
-    np.testing.assert_allclose(pool.gains("pooled:entropy+margin")[0], 1 - (2.0 + 0.05) / 4.0)
+    np.testing.assert_allclose(pool.gains("constant")[0], 1 - 2.0 / 4.0)
 
 
 def test_screened_requests_take_the_screen_scores_and_the_served_labels(tmp_path):

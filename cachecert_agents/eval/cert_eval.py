@@ -11,9 +11,12 @@ Prefill saved per request (fraction of the receiver's context prefill time, net 
 - served (accepted): ``1 - (transfer_s + overhead) / prefill_s``;
 - refused: ``-(transfer_s + overhead) / prefill_s`` (the transfer and scoring were wasted, then a full prefill);
 
-with ``overhead`` the whole recorded suffix pass plus the score arithmetic for ``geometry`` and any score whose name
-contains it (conservative: a plain suffix pass is needed to answer anyway), the suffix pass only when refused for ``entropy``/``margin``
-(when served, that pass *is* the answer's first step), and 0 for ``constant``.
+with ``overhead`` the score arithmetic (``score_s``) plus, when refused, the recorded suffix pass (``pass_s``) for every
+score but ``constant`` (0): when served, that pass *is* the answer's first step, since its last logits seed
+decoding (the runtime answers from it). This holds for ``geometry`` too: the pass that records its queries and
+attention costs what a plain suffix pass costs (``docs/results/suffix_pass_cost.json``: 2.58 against 2.45 s,
+2.54 against 2.50 s and 2.06 against 2.07 s on three hotpotqa requests). Rows written before 2026-12-03 charged
+geometry the whole pass even when served.
 
 **Screened** requests (:func:`screened_requests`, method ``"<method>|screen:<screen>"``) decide an expensive
 transfer (a split transfer, whose receiver repair costs a large part of a prefill) from the risk score of a cheap
@@ -78,8 +81,6 @@ class LabelledRequests:
         """Per-request prefill fraction saved if served / if refused (see the module docstring)."""
         if self.screen_s is not None and score != "constant":  # a constant score needs no screen
             served_cost, refused_cost = self.screen_s + self.transfer_s, self.screen_s
-        elif "geometry" in score:  # the geometry score, or a score combining it (e.g. ``pooled:entropy+margin+geometry``)
-            served_cost = refused_cost = self.transfer_s + self.pass_s + self.score_s
         elif score == "constant":
             served_cost = refused_cost = self.transfer_s
         else:
