@@ -1,6 +1,7 @@
 """Summaries of transfer-evaluation records, resumable JSONL (model-free)."""
 
 import json
+import statistics
 
 import pytest
 
@@ -31,6 +32,13 @@ def test_summary_rows_compute_retention_agreement_and_savings():
     assert row["score_no_context"] == pytest.approx(0.1) and row["score_sender"] == pytest.approx(0.3)
     assert row["score_random_map"] == pytest.approx(0.05)
     assert row["prefill_saved"] == pytest.approx(1 - 9.0 / 11.5) and row["prefill_timing"] == "same run"
+    # the same saving as total work, with a paired interval, and per example; the mappers behind the row
+    assert row["prefill_saved_total"] == pytest.approx(1 - 36.0 / 46.0)
+    low, high = row["prefill_saved_total_ci95"]
+    assert low <= row["prefill_saved_total"] <= high
+    assert row["prefill_saved_median_per_example"] == pytest.approx(
+        statistics.median(1 - (7.5 + i) / (10.0 + i) for i in range(4)))
+    assert row["mappers"] == {"unrecorded": 4}
 
 
 def test_controls_on_only_some_of_a_rows_examples_are_not_reported():
@@ -88,6 +96,8 @@ def test_retention_interval_is_a_paired_bootstrap_around_the_ratio():
     assert ratio_interval([1.0, 2.0], [1.0, 2.0], seed=1) == ratio_interval([1.0, 2.0], [1.0, 2.0], seed=1)
     with pytest.raises(ValueError, match="same length"):
         ratio_interval([1.0], [1.0, 2.0])
+    # a denominator that is zero on most resamples (one positive full score in 20): no interval, not a biased one
+    assert ratio_interval([1.0] + [0.0] * 19, [1.0] + [0.0] * 19) == (None, None)
     rows = summarise([_rec(i, "split@7", 0.4, True, split=7, num_layers=28, transfer_s=1.0) for i in range(4)],
                      [{"id": str(i), "score": 0.8, "prefill_s": 2.0} for i in range(4)])
     assert rows[0]["retention_ci95"] == pytest.approx([0.5, 0.5])

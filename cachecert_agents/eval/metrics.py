@@ -103,20 +103,22 @@ def best_over_references(metric: Callable[[str, str], float], pred: str, refs: S
 
 
 def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], level: float = 0.95,
-                   resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+                   resamples: int = 2000, seed: int = 0) -> tuple[float | None, float | None]:
     """Paired percentile-bootstrap interval of ``mean(numerator) / mean(denominator)`` (e.g. retention: transfer
     scores over full-prefill scores of the same examples). Examples are resampled with replacement, keeping each
-    pair together; resamples with a zero denominator are dropped. Returns ``(low, high)`` at ``level``."""
+    pair together. Returns ``(low, high)`` at ``level``, or ``(None, None)`` when the ratio is undefined on too many
+    resamples to trust the interval: a resample whose denominator sums to zero has no ratio, and dropping more of
+    them than one tail's share (``(1 - level) / 2``) would bias the percentiles."""
     num, den = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
     if num.shape != den.shape or num.ndim != 1 or num.size == 0:
         raise ValueError("numerator and denominator must be non-empty sequences of the same length")
+    alpha = (1 - level) / 2
     idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
     sums_den = den[idx].sum(1)
     keep = sums_den != 0
+    if keep.mean() < 1 - alpha:
+        return None, None
     ratios = num[idx].sum(1)[keep] / sums_den[keep]
-    if ratios.size == 0:
-        return float("nan"), float("nan")
-    alpha = (1 - level) / 2
     return float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
 
 

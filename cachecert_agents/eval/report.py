@@ -25,7 +25,7 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
     rows = payload["results"]
     cols = ["sender", "receiver", "workload", "method", "n", "score_full", "score_transfer", "score_no_context",
             "score_sender", "score_random_map", "retention", "retention_ci95", "agreement", "agreement_no_context", "prefill_saved",
-            "prefill_s_median", "transfer_s_median"]
+            "prefill_saved_total", "prefill_s_median", "transfer_s_median"]
     lines = ["# Cross-model transfer: measured retention", "",
              f"Produced by `{payload['command']}` (merged per pair/workload/method; date {payload['date']}).", "",
              "Scores are the workload's task score (token F1 against gold answers for QA; ROUGE-L for report). "
@@ -35,7 +35,12 @@ def transfer_markdown(results_file: str | Path, out_md: str | Path, plot_dir: st
              "`prefill_saved` = 1 - median transfer time / median receiver context-prefill time on this 2-core CPU "
              "machine, both timed in the same run, except where marked †: there the receiver's prefill time is "
              "the cached full-prefill reference's, possibly timed in another run under another load (rows "
-             "evaluated before same-run timing; `transfer_cost.json` measures both in one run).", "",
+             "evaluated before same-run timing; `transfer_cost.json` measures both in one run). "
+             "`prefill_saved_total` = 1 - total transfer time / total prefill time over the row's examples (in "
+             "transfer.json with a paired-bootstrap `prefill_saved_total_ci95` and the median per-example saving; "
+             "- in rows summarised before 2026-12-03). Each row in transfer.json also names the `mappers` its "
+             "transfers were made with (fingerprint -> count; `unrecorded` for records from before fingerprints).",
+             "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in sorted(rows, key=lambda r: (r["sender"], r["receiver"], r["workload"], r.get("split") or 0)):
         cells = [_fmt(r.get(c)) + (" †" if c == "prefill_saved" and r.get("prefill_timing") != "same run" else "")
@@ -134,7 +139,9 @@ def _frontier_plots(rows: list[dict], plot_dir: Path) -> list[Path]:
         top = 1.2
         for workload in sorted({r["workload"] for r in rows if (r["sender"], r["receiver"]) == (sender, receiver)}):
             mine = [r for r in rows if (r["sender"], r["receiver"], r["workload"]) == (sender, receiver, workload)
-                    and r.get("prefill_saved") is not None]
+                    and r.get("prefill_saved") is not None and r.get("retention") is not None]
+            if not mine:  # e.g. a full-prefill score of 0: retention is undefined, nothing to draw
+                continue
             # the frontier, its floor and its controls come from the rows measured on the most examples (one
             # common set); methods measured on fewer are drawn apart (x) with their n, never joined to the line
             n_max = max(r["n"] for r in mine)

@@ -30,6 +30,7 @@ import copy
 import logging
 import re
 import statistics
+from collections import Counter
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -265,10 +266,17 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     path = records_path(results_dir, sender.name, receiver.name, workload.name)
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
-    done = {(r["id"], r["method"]) for r in read_jsonl(path)
+    kept = read_jsonl(path)
+    done = {(r["id"], r["method"]) for r in kept
             if "split" not in r or r.get("method") == "random-map"
             or ((scorer is None or scores_are_current(r))
                 and (not require_mapper or r.get("mapper_sha256") == mapper.fingerprint))}
+    others = sum(1 for r in latest_records(kept, [r["id"] for r in kept])
+                 if "split" in r and r.get("method") != "random-map" and (r["id"], r["method"]) in done
+                 and r.get("mapper_sha256") != mapper.fingerprint)
+    if others:
+        logger.warning("%s: %d transfer record(s) kept were made with another or an unrecorded mapper; they are not "
+                       "redone, so rows may pool mappers (each row lists them under `mappers`)", path, others)
     # full-prefill answers of these weights (records from before weights were recorded are taken as they are)
     weights = receiver.weights_fingerprint
     full_done = {r["id"]: r for r in read_jsonl(full_path) if r.get("receiver_weights", weights) == weights}
@@ -429,8 +437,10 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
         score_full = statistics.mean(full[i]["score"] for i in ids)
         score_transfer = statistics.mean(r["score"] for r in recs)
         # each record's own prefill time (same run as its transfer; older records copied the cached reference's)
-        prefill_med = statistics.median(r.get("prefill_s", full[r["id"]]["prefill_s"]) for r in recs)
-        transfer_med = statistics.median(r["transfer_s"] for r in recs)
+        prefill = [r.get("prefill_s", full[r["id"]]["prefill_s"]) for r in recs]
+        spent = [r["transfer_s"] for r in recs]
+        prefill_med, transfer_med = statistics.median(prefill), statistics.median(spent)
+        spent_low, spent_high = ratio_interval(spent, prefill)  # of sum(transfer) / sum(prefill), paired
         first = recs[0]
         low, high = ratio_interval([r["score"] for r in recs], [full[i]["score"] for i in ids])
         agreement = statistics.mean(1.0 if r["agree"] else 0.0 for r in recs)
@@ -446,6 +456,13 @@ def summarise(records: list[dict], full_records: list[dict]) -> list[dict]:
             "agreement": agreement, "unsafe_rate": 1 - agreement,
             "agreement_no_context": _control_mean(no_ctx_agree, ids),
             "prefill_saved": 1 - transfer_med / prefill_med,
+            # the same, as total work over the row's examples (with a paired-bootstrap interval) and per example
+            "prefill_saved_total": 1 - sum(spent) / sum(prefill),
+            "prefill_saved_total_ci95": [None if spent_high is None else 1 - spent_high,
+                                         None if spent_low is None else 1 - spent_low],
+            "prefill_saved_median_per_example": statistics.median(1 - t / p for t, p in zip(spent, prefill)),
+            # the mappers the row's transfers were made with (a resumed run may mix them): fingerprint -> count
+            "mappers": dict(Counter((r.get("mapper_sha256") or "unrecorded")[:16] for r in recs)),
             "prefill_timing": "same run" if all(r.get("prefill_timed") == "same-run" for r in recs)
             else "receiver prefill from the cached full-prefill reference (another run)",
             "prefill_s_median": prefill_med, "transfer_s_median": transfer_med,
