@@ -134,16 +134,15 @@ def _cmd_kv_check(args: argparse.Namespace) -> int:
                   f"{result['max_abs_logit_diff']:.2e} ({'ok' if result['passed'] else 'FAILED'}, tolerance "
                   f"{args.tolerance:g}); corrupted cache {result['corrupted_max_abs_logit_diff']:.2f}")
     if args.out:
-        from cachecert_agents.artifacts import keep_aside
-
-        keep_aside(args.out)  # an earlier check's file is renamed, not overwritten
-        write_result_file(args.out, results)
+        write_result_file(args.out, results, keep_earlier=True)
     _emit(results[0] if len(results) == 1 else {"results": results}, args.json)
     return 0 if all(r["passed"] for r in results) else 1
 
 
-def write_result_file(path: str, results: Any) -> None:
-    """Write results with the command that produced them, the date and the library/torch versions."""
+def write_result_file(path: str, results: Any, keep_earlier: bool = False) -> None:
+    """Write results with the command that produced them, the date and the library/torch versions.
+    ``keep_earlier``: an existing file is renamed aside first (:func:`~cachecert_agents.artifacts.keep_aside`), for
+    commands whose results replace rather than merge with an earlier run's."""
     import datetime
     import platform
     from pathlib import Path
@@ -151,8 +150,9 @@ def write_result_file(path: str, results: Any) -> None:
     import torch
     import transformers
 
+    from cachecert_agents.artifacts import keep_aside
+
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": _command_line(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -161,6 +161,8 @@ def write_result_file(path: str, results: Any) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "results": results,
     }
+    if keep_earlier:
+        keep_aside(out)
     write_json_atomic(out, payload)
     logger.info("wrote %s", out)
 
@@ -678,9 +680,8 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.cert_eval import labelled_requests, screened_requests
     from cachecert_agents.eval.transfer_eval import (build_mapper, build_scorer, evaluate_transfer, mapper_stem,
                                                       parse_method)
-    from cachecert_agents.transfer.calibrate import pair_fingerprints
-
     from cachecert_agents.eval.workloads import WORKLOADS
+    from cachecert_agents.transfer.calibrate import pair_fingerprints
 
     if args.pair == ("all", "all"):
         raise CacheCertError("certify takes one --pair SENDER:RECEIVER")
@@ -813,8 +814,8 @@ def _cmd_eval_cert(args: argparse.Namespace) -> int:
                              f"({args.workload}) with >= {args.min_n} labelled requests in {results_dir} (pools with "
                              f"records there: {found}); run `cachecert eval transfer` (it records risk scores) first")
     if args.out:
-        _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha", "control"))
-        merged = json.loads(Path(args.out).read_text())["results"]
+        merged = _merge_rows(args.out, rows, key=("sender", "receiver", "workload", "method", "score", "alpha",
+                                                  "control"))
         write_markdown(merged, _command_line(), _markdown_beside(args.out, existing is not None))
         redone = {pool_key(r) for r in rows}  # the other pools' plots are already there, unchanged
         plot_certification([r for r in merged if pool_key(r) in redone], _plot_dir(args))
@@ -834,8 +835,9 @@ def _command_line() -> str:
 
 
 def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "receiver", "workload", "method"),
-                flag: str = "--out") -> None:
-    """Merge rows into a results file by ``key``, keeping the other rows; each row records its command.
+                flag: str = "--out") -> list[dict]:
+    """Merge rows into a results file by ``key``, keeping the other rows; each row records its command. Returns
+    the merged rows (what the file now holds).
 
     A row measured on more examples (``n``) than the new row with the same key is kept, with a warning: a
     shorter rerun must not replace a longer measurement (``cachecert eval summarise`` rebuilds a row from every
@@ -860,6 +862,7 @@ def _merge_rows(path: str, rows: list[dict], key: tuple[str, ...] = ("sender", "
     new_keys = {tuple(r[k] for k in key) for r in kept_new}
     merged = [r for r in existing if tuple(r[k] for k in key) not in new_keys] + kept_new
     write_result_file(path, merged)
+    return merged
 
 
 def _sample_data() -> str | None:
@@ -975,10 +978,7 @@ def _cmd_bench_agents(args: argparse.Namespace) -> int:
     print(f"wrapper overhead on a prefill step (nothing to reuse): median {overhead['overhead_median']:.2%} "
           f"over {overhead['n']} steps")
     payload = {"summary": summary, "overhead": overhead, "sets": records}
-    from cachecert_agents.artifacts import keep_aside
-
-    keep_aside(args.out)  # an earlier run's figures are renamed, not overwritten
-    write_result_file(args.out, payload)
+    write_result_file(args.out, payload, keep_earlier=True)
     write_agents_markdown(json.loads(Path(args.out).read_text()), _markdown_beside(args.out, existed))
     runtime.close()
     return 0

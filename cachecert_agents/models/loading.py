@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cachecert_agents.artifacts import write_atomic
 from cachecert_agents.errors import UnknownModelError
 from cachecert_agents.models import registry
 
@@ -151,8 +152,6 @@ def model_geometry(name_or_path: str) -> "ModelGeometry":
     config, tokenizer = load_config_and_tokenizer(name_or_path)
     geometry = geometry_from_config(config, tokenizer)
     if cache_file is not None:
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"sha256": registry.get_spec(name_or_path).sha256,
-                                   "geometry": geometry.model_dump()}))
-        os.replace(tmp, cache_file)
+        write_atomic(cache_file, json.dumps({"sha256": registry.get_spec(name_or_path).sha256,
+                                             "geometry": geometry.model_dump()}))
     return geometry

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from cachecert_agents.kv.rope import exact_dtype
 from cachecert_agents.kv.segment import build_dynamic_cache, context_attention
 from cachecert_agents.models.geometry import ModelGeometry
 from cachecert_agents.models.handle import ModelHandle
@@ -70,7 +71,7 @@ class ScatterCache:
 def squared_distance(reference: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     """``[|reference - approx|^2, |reference|^2]`` over every element, on ``reference``'s device (float64 where
     the device has it, float32 on MPS)."""
-    dtype = torch.float32 if reference.device.type == "mps" else torch.float64
+    dtype = exact_dtype(reference.device)
     reference, approx = reference.to(dtype), approx.to(reference.device, dtype)
     return torch.stack([((reference - approx) ** 2).sum(), (reference * reference).sum()])
 
@@ -143,8 +144,7 @@ def suffix_pass_relevance(receiver: ModelHandle, cache: Any, suffix_ids: torch.T
     start, end = span
     out = receiver.forward(suffix_ids, cache, output_attentions=True, logits_to_keep=1)
     total = end + int(suffix_ids.numel())
-    exact = torch.float32 if receiver.device.type == "mps" else torch.float64  # MPS has no float64
-    relevance = torch.zeros(end - start, dtype=exact, device=receiver.device)
+    relevance = torch.zeros(end - start, dtype=exact_dtype(receiver.device), device=receiver.device)
     for weights in out.attentions:  # [heads, m, total]; summed on the device, copied to the host once
         relevance += context_attention(weights, span, total).float().amax((0, 1))
     relevance = relevance.cpu().double()
