@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_bytes
@@ -32,6 +33,11 @@ OPTIONAL_IDENTITY_KEYS = ("sender_weights", "receiver_weights")
 def bytes_fingerprint(data: bytes) -> str:
     """sha256 (16 hex) of bytes."""
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def json_fingerprint(obj: Any) -> str:
+    """sha256 (16 hex) of a JSON-serialisable object, keys sorted (equal objects, equal fingerprints)."""
+    return bytes_fingerprint(json.dumps(obj, sort_keys=True).encode())
 
 
 def file_fingerprint(path: str | Path) -> str:

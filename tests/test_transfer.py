@@ -373,7 +373,9 @@ def test_anchored_transfer_computes_the_layers_below_the_anchor_and_reads_the_st
 def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(twins, tmp_path):
     """End to end on tiny models: an anchored mapper is calibrated apart (``__a1``), keeps only the maps a split
     transfer at 2 reads, is reused on the next call, and its transfers are evaluated and named ``split@2+a1``."""
-    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, summarise
+    from cachecert_agents.eval.transfer_eval import build_mapper, evaluate_transfer, record_settings, summarise
+    from cachecert_agents.eval.workloads import Agreement
+    from cachecert_agents.jsonl import read_jsonl
 
     sender, receiver = twins
     wl = tiny_workload(CONTEXTS, n_calibration=3)
@@ -399,9 +401,51 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     _, full_again = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
                                       progress=False, controls=False)
     assert full_again[-1]["receiver_weights"] == receiver.weights_fingerprint
+    # a record made on other data or settings (here: another agreement criterion) is redone, not resumed; a
+    # record that predates `settings` is taken as it is
+    records_file = tmp_path / "r" / "tiny-a__tiny-b__tiny.jsonl"
+    (latest,) = [r for r in read_jsonl(records_file) if r["method"] == "split@2+a1"]
+    assert latest["settings"] == record_settings(wl, wl.examples("evaluation")[0], sender, receiver)
+    records_file.write_text(json.dumps(dict(latest, settings="other", answer="stale")) + "\n")
+    redone, _ = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
+                                  progress=False, controls=False)
+    assert [r["answer"] for r in redone] == [latest["answer"]] and len(read_jsonl(records_file)) == 2
+    records_file.write_text(json.dumps({k: v for k, v in latest.items() if k != "settings"}) + "\n")
+    evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False,
+                      controls=False)
+    assert len(read_jsonl(records_file)) == 1
+    records_file.write_text(json.dumps(latest) + "\n")
+    strict = tiny_workload(CONTEXTS, n_calibration=3)
+    strict.agreement = Agreement.parse("token-f1>=0.9")
+    evaluate_transfer(sender, receiver, strict, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False,
+                      controls=False)
+    assert [r["settings"] == latest["settings"] for r in read_jsonl(records_file)] == [True, False]
     # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
     build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4
+
+
+def test_diagnose_splits_resumes_and_counts_each_example_once(twins, tmp_path):
+    """``diagnose_splits`` on tiny models: every variant answered once per example; a rerun adds nothing, and a
+    record made on other settings is redone and replaces the earlier one in the rows (n stays 1)."""
+    from cachecert_agents.eval.transfer_eval import build_mapper, diagnose_splits, evaluate_transfer
+    from cachecert_agents.jsonl import read_jsonl
+
+    sender, receiver = twins
+    wl = tiny_workload(CONTEXTS, n_calibration=3)
+    mapper = build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False,
+                      controls=False)
+    rows = diagnose_splits(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False)
+    assert sorted(r["variant"] for r in rows) == ["mapped", "oracle-hidden", "oracle-kv"]
+    assert all(r["n"] == 1 for r in rows)
+    path = tmp_path / "r" / "diagnose__tiny-a__tiny-b__tiny.jsonl"
+    first = read_jsonl(path)
+    path.write_text("".join(json.dumps(dict(r, settings="other")) + "\n" for r in first))
+    again = diagnose_splits(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False)
+    assert all(r["n"] == 1 for r in again) and len(read_jsonl(path)) == 2 * len(first)
+    diagnose_splits(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False)
+    assert len(read_jsonl(path)) == 2 * len(first)
 
 
 def test_build_mapper_without_a_size_takes_the_cached_one(twins, tmp_path):

@@ -38,11 +38,11 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, keep_artifact_aside
+from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, json_fingerprint, keep_artifact_aside
 from cachecert_agents.cert.scores import RiskScorer, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import ratio_interval
-from cachecert_agents.eval.workloads import Workload
+from cachecert_agents.eval.workloads import Example, Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
@@ -227,6 +227,30 @@ def recorded_pools(results_dir: Path) -> list[tuple[str, str, str]]:
     return sorted({(s[0], s[1], s[2]) for s in stems if len(s) == 3})
 
 
+def record_settings(workload: Workload, example: Example, *models: ModelHandle) -> str:
+    """sha256 (16 hex) of what a record's answer and label depend on besides its method: the ``models``' names
+    and weights (the receiver's alone for a full-prefill record; sender and receiver for the rest), the example's
+    context, instruction and references, and the workload's generation and agreement settings. Stored as the
+    record's ``settings``: a resumed run redoes a record whose settings differ (records written before it was
+    stored are taken as they are)."""
+    return json_fingerprint({
+        "models": [[m.name, m.weights_fingerprint] for m in models],
+        "example": [example.id, example.context, example.instruction, example.references],
+        "workload": [workload.name, workload.max_new_tokens, list(workload.stop_strings), str(workload.agreement)]})
+
+
+def current_records(records: list[dict], settings: dict[str, str]) -> tuple[list[dict], int]:
+    """The records whose ``settings`` match ``settings[id]`` (or that predate it, or whose example is not in
+    ``settings``), and how many ``(id, method)`` have only records that do not match (made with other weights,
+    data or settings: they are redone, not resumed)."""
+    def current(r: dict) -> bool:
+        return r["id"] not in settings or r.get("settings", settings[r["id"]]) == settings[r["id"]]
+
+    kept = [r for r in records if current(r)]
+    stale = {(r["id"], r.get("method")) for r in records if not current(r)}
+    return kept, len(stale - {(r["id"], r.get("method")) for r in kept})
+
+
 def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str]
                  ) -> tuple[list[dict], list[dict]]:
     """The latest records of a pair (every method) and the receiver's full-prefill records, for the example
@@ -265,8 +289,18 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         raise ValueError("selective recompute (+rP) is not defined for anchored mappers (+aA)")
     path = records_path(results_dir, sender.name, receiver.name, workload.name)
     full_path = full_reference_path(results_dir, receiver.name, workload.name)
+    examples = workload.examples(subset)[offset:offset + n]
+    settings = {ex.id: record_settings(workload, ex, sender, receiver) for ex in examples}
+    full_settings = {ex.id: record_settings(workload, ex, receiver) for ex in examples}
+    kept, stale = current_records(read_jsonl(path), settings)
+    # full-prefill answers of these weights (records from before weights were recorded are taken as they are)
+    weights = receiver.weights_fingerprint
+    full_kept, full_stale = current_records(read_jsonl(full_path), full_settings)
+    if stale or full_stale:
+        logger.warning("%s: %d record(s) and %d full-prefill answer(s) were made with other weights, data or "
+                       "settings; they are redone (the latest record of an example and method is the one used)",
+                       path, stale, full_stale)
     # with a scorer, a transfer record counts as done only if it carries scores of the current definition
-    kept = read_jsonl(path)
     done = {(r["id"], r["method"]) for r in kept
             if "split" not in r or r.get("method") == "random-map"
             or ((scorer is None or scores_are_current(r))
@@ -277,10 +311,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
     if others:
         logger.warning("%s: %d transfer record(s) kept were made with another or an unrecorded mapper; they are not "
                        "redone, so rows may pool mappers (each row lists them under `mappers`)", path, others)
-    # full-prefill answers of these weights (records from before weights were recorded are taken as they are)
-    weights = receiver.weights_fingerprint
-    full_done = {r["id"]: r for r in read_jsonl(full_path) if r.get("receiver_weights", weights) == weights}
-    examples = workload.examples(subset)[offset:offset + n]
+    full_done = {r["id"]: r for r in full_kept if r.get("receiver_weights", weights) == weights}
     prefix_cache = None
     random_mapper = mapper.randomised(seed=0)
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
@@ -306,7 +337,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
         if ex.id not in full_done:
             gen = receiver.generate(r_prompt.suffix_ids, cache=cache, **gen_kw)
             rec = {"id": ex.id, "receiver": receiver.name, "receiver_weights": weights, "workload": workload.name,
-                   "answer": gen.text,
+                   "settings": full_settings[ex.id], "answer": gen.text,
                    "score": workload.score(gen.text, ex.references), "prefill_s": prefill_s,
                    "context_tokens": int(r_prompt.context_ids.numel())}
             append_jsonl(full_path, rec)
@@ -318,7 +349,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             rec = {"id": ex.id, "sender": sender.name, "receiver": receiver.name, "workload": workload.name,
                    "method": method, "answer": answer, "score": workload.score(answer, ex.references),
                    "agree": workload.agree(answer, full["answer"]), "prefill_s": prefill_s,
-                   "prefill_timed": "same-run", **extra}
+                   "prefill_timed": "same-run", "settings": settings[ex.id], **extra}
             append_jsonl(path, rec)
             done.add((ex.id, method))
 
@@ -480,10 +511,16 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
 
     L = receiver.geometry.num_layers
     path = results_dir / f"diagnose__{artifact_stem(sender.name, receiver.name, workload.name)}.jsonl"
-    full = {r["id"]: r for r in read_jsonl(full_reference_path(results_dir, receiver.name, workload.name))}
-    done = {(r["id"], r["variant"], r["split"]) for r in read_jsonl(path)}
+    candidates = workload.examples("evaluation")
+    full_settings = {ex.id: record_settings(workload, ex, receiver) for ex in candidates}
+    full_kept, _ = current_records(read_jsonl(full_reference_path(results_dir, receiver.name, workload.name)),
+                                   full_settings)
+    weights = receiver.weights_fingerprint
+    full = {r["id"]: r for r in full_kept if r.get("receiver_weights", weights) == weights}  # the latest per id
+    examples = [e for e in candidates if e.id in full][:n]
+    settings = {ex.id: record_settings(workload, ex, sender, receiver) for ex in examples}
+    done = {(r["id"], r["variant"], r["split"]) for r in current_records(read_jsonl(path), settings)[0]}
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
-    examples = [e for e in workload.examples("evaluation") if e.id in full][:n]
     prefix_cache = None
     for ex in tqdm(examples, desc=f"diagnose {sender.name}->{receiver.name}", disable=not progress):
         todo = [(v, s) for s in splits for v in ("mapped", "oracle-kv", "oracle-hidden") if (ex.id, v, s) not in done]
@@ -500,9 +537,12 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
             answer = receiver.generate(r_prompt.suffix_ids, cache=result.cache, **gen_kw).text
             append_jsonl(path, {"id": ex.id, "variant": variant, "split": s, "answer": answer,
                                  "score": workload.score(answer, ex.references),
-                                 "agree": workload.agree(answer, full[ex.id]["answer"])})
+                                 "agree": workload.agree(answer, full[ex.id]["answer"]),
+                                 "settings": settings[ex.id]})
     rows = []
-    records = read_jsonl(path)
+    latest = {(r["id"], r["variant"], r["split"]): r for r in current_records(read_jsonl(path), settings)[0]
+              if r["id"] in settings}
+    records = list(latest.values())
     for s in splits:
         for variant in ("mapped", "oracle-kv", "oracle-hidden"):
             recs = [r for r in records if r["split"] == s and r["variant"] == variant]

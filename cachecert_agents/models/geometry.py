@@ -7,12 +7,12 @@ use exactly the numbers the model uses (per layer type: Gemma 3 has different th
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
+
+from cachecert_agents.artifacts import json_fingerprint
 
 _SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope_static", "proportional"}
 
@@ -81,11 +81,11 @@ class ModelGeometry(BaseModel):
 
     def kv_fingerprint(self) -> str:
         """sha256 (16 hex) of :meth:`kv_signature`: equal fingerprints mean interchangeable cache layouts."""
-        return _digest(self.kv_signature())
+        return json_fingerprint(self.kv_signature())
 
     def fingerprint(self) -> str:
         """sha256 (16 hex) of the whole geometry, tokenizer included."""
-        return _digest(self.model_dump())
+        return json_fingerprint(self.model_dump())
 
     def describe(self) -> str:
         """One line naming the geometry, for error messages."""
@@ -95,15 +95,11 @@ class ModelGeometry(BaseModel):
                 f"{window}, rope [{rope}] (fingerprint {self.kv_fingerprint()})")
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """sha256 (16 hex) of a tokenizer's vocabulary and special tokens; equal for interchangeable tokenizers."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
-    return _digest({"vocab": vocab, "special": special})
+    return json_fingerprint({"vocab": vocab, "special": special})
 
 
 def _skeleton(config: Any) -> torch.nn.Module:
