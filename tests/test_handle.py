@@ -123,3 +123,18 @@ def test_residual_stream_capture_equals_output_hidden_states(handle):
     before = got.clone()
     handle.forward(torch.arange(5, 25))
     assert torch.equal(got, before)
+
+
+def test_a_model_that_ignores_the_cache_argument_is_refused(tiny_tokenizer):
+    """A transformers release whose forward does not take ``cache=`` would answer without the context, silently:
+    ``forward`` sees that the returned cache is not the one passed and raises instead."""
+    from cachecert_agents.errors import CacheCertError
+
+    model = tiny_model("llama")
+    handle = ModelHandle("tiny", model, tiny_tokenizer)
+    ids = torch.tensor([5, 6, 7])
+    cache = handle.prefill(ids).cache
+    real_forward = model.forward
+    model.forward = lambda *args, cache=None, **kwargs: real_forward(*args, **kwargs)  # drops the argument
+    with pytest.raises(CacheCertError, match="did not use the cache"):
+        handle.forward(torch.tensor([8]), cache)

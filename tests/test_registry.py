@@ -97,7 +97,7 @@ def test_checksum_mismatch_installs_nothing(fake_model, monkeypatch):
     with pytest.raises(ModelInstallError, match="expected 0000"):
         registry.install("fake-model", progress=False)
     assert not (registry.model_dir("fake-model") / "fake.gguf").exists()
-    assert not (registry.model_dir("fake-model") / "fake.gguf.partial").exists()
+    assert not list(registry.model_dir("fake-model").glob("*.partial"))
 
 
 def test_missing_package_is_a_clear_error(fake_model):
@@ -123,3 +123,48 @@ def test_cli_unknown_model_exits_2(capsys, cache_home):
 
     assert main(["models", "install", "nope"]) == 2
     assert "known embedded models" in capsys.readouterr().err
+
+
+def test_a_new_gguf_drops_what_was_derived_from_the_old_one(fake_model):
+    """``install(force=True)`` writes the GGUF again and removes the converted copy and the cached geometry (they
+    were made from the earlier file); ``uninstall`` refuses a directory this library did not install."""
+    spec, index, blob = fake_model
+    path = registry.install("fake-model", progress=False)
+    (path.parent / registry.CONVERTED_DIR).mkdir()
+    (path.parent / registry.CONVERTED_DIR / "model.safetensors").write_bytes(b"old")
+    (path.parent / registry.GEOMETRY_CACHE).write_text("{}")
+    registry.install("fake-model", force=True, progress=False)
+    assert not (path.parent / registry.CONVERTED_DIR).exists() and not (path.parent / registry.GEOMETRY_CACHE).exists()
+    (path.parent / "manifest.json").unlink()
+    with pytest.raises(ModelInstallError, match="not an install"):
+        registry.uninstall("fake-model")
+    assert path.exists()  # nothing deleted
+
+
+def test_a_damaged_converted_copy_is_not_loaded(fake_model, monkeypatch, caplog):
+    """The float32 copy beside the GGUF is used only when its marker, dtype and size match; one that fails to load
+    is removed and the GGUF is loaded instead (the copy is a speed-up, never the source)."""
+    from cachecert_agents.models import loading
+
+    spec, index, blob = fake_model
+    path = registry.install("fake-model", progress=False)
+    copy_dir = path.parent / registry.CONVERTED_DIR
+    copy_dir.mkdir()
+    (copy_dir / "model.safetensors").write_bytes(b"x" * 10)
+    marker = {"name": "fake-model", "sha256": spec.sha256, "dtype": "float32", "bytes": 10}
+    (copy_dir / "cachecert-source.json").write_text(json.dumps(marker))
+    assert loading._converted_dir("fake-model", path) == copy_dir
+    (copy_dir / "model.safetensors").write_bytes(b"x" * 9)  # truncated
+    assert loading._converted_dir("fake-model", path) is None
+    (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, bytes=9, dtype="bfloat16")))
+    assert loading._converted_dir("fake-model", path) is None  # another dtype than the copy's float32
+    (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, bytes=9)))
+
+    def broken(*args, **kwargs):
+        raise ValueError("header too short")
+
+    monkeypatch.setattr(loading, "_from_dir", broken)
+    monkeypatch.setattr(loading, "_from_gguf", lambda directory, filename, dtype: ("model", "tokenizer"))
+    with caplog.at_level("WARNING"):
+        assert loading._load_embedded("fake-model", loading.torch.bfloat16, convert=True) == ("model", "tokenizer")
+    assert "does not load" in caplog.text and not copy_dir.exists()  # removed; a bfloat16 load makes no copy

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from cachecert_agents.errors import CacheCertError
 from cachecert_agents.models.geometry import ModelGeometry, geometry_from_config
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,13 @@ class ModelHandle:
         hidden = tuple(h[0] for h in out.hidden_states) if output_hidden_states else None
         attn = tuple(a[0] for a in out.attentions) if output_attentions else None
         new_cache = getattr(out, "cache", None) or out.past_key_values
+        if new_cache is not cache:  # the model made a cache of its own: the one passed (the context) was ignored
+            import transformers
+
+            raise CacheCertError(
+                f"{type(self.model).__name__} did not use the cache passed as `cache=` (transformers "
+                f"{transformers.__version__}); this library needs a transformers 5.x release whose forward takes "
+                "`cache=`: upgrade transformers")
         return ForwardOutput(out.logits[0].float(), new_cache, hidden, attn)
 
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 Embedded models are dequantised from GGUF on first load (tens of seconds) and saved once as a float32
 safetensors directory beside the GGUF (``<model dir>/hf``), written to a temporary directory and renamed, so later
-loads take seconds and an interrupted conversion is never mistaken for a finished one.
+loads take seconds and an interrupted conversion is never mistaken for a finished one. The copy is only a speed-up:
+one whose marker, dtype or size does not match, or that fails to load, is replaced from the GGUF.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_CONVERTED = "hf"
 _MARKER = "cachecert-source.json"
+_WEIGHTS = "model.safetensors"
 
 
 def _from_gguf(directory: Path, filename: str, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -46,38 +47,70 @@ def _from_dir(source: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[An
 
 
 def _converted_dir(name: str, gguf: Path) -> Path | None:
-    target = gguf.parent / _CONVERTED
+    """The float32 copy of ``gguf`` when its marker names this GGUF (sha256) and its weights file has the size
+    recorded there (markers written before sizes were recorded: the file must exist); None otherwise."""
+    target = gguf.parent / registry.CONVERTED_DIR
     try:
         marker = json.loads((target / _MARKER).read_text())
+        size = (target / _WEIGHTS).stat().st_size
     except (OSError, ValueError):
         return None
-    return target if marker.get("sha256") == registry.get_spec(name).sha256 else None
+    if marker.get("sha256") != registry.get_spec(name).sha256 or marker.get("dtype", "float32") != "float32":
+        return None
+    return target if marker.get("bytes", size) == size else None
 
 
 def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
-    """Save a GGUF-loaded model as a float32 safetensors directory, atomically."""
-    target = gguf.parent / _CONVERTED
-    tmp = gguf.parent / (_CONVERTED + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # transformers refuses save_pretrained on GGUF-loaded models; the weights are plain dequantised float tensors,
-    # so save the config (without the GGUF marker) and the state dict directly.
+    """Save a float32 GGUF-loaded model as a safetensors directory, atomically (a temporary directory of its own,
+    then renamed). Only a speed-up: a failure (a full disk, say) is logged and the load goes on."""
     import copy
+    import tempfile
 
     from safetensors.torch import save_model
 
-    tmp.mkdir(parents=True)
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
-    (tmp / _MARKER).write_text(json.dumps({"name": name, "gguf": gguf.name,
-                                           "sha256": registry.get_spec(name).sha256}))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    target = gguf.parent / registry.CONVERTED_DIR
+    tmp = Path(tempfile.mkdtemp(dir=gguf.parent, prefix=registry.CONVERTED_DIR + ".tmp-"))
+    try:
+        # transformers refuses save_pretrained on GGUF-loaded models; the weights are plain dequantised float
+        # tensors, so save the config (without the GGUF marker) and the state dict directly.
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / _WEIGHTS))
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"name": name, "gguf": gguf.name, "dtype": "float32",
+                                               "sha256": registry.get_spec(name).sha256,
+                                               "bytes": (tmp / _WEIGHTS).stat().st_size}))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except Exception as exc:  # noqa: BLE001 - the copy is optional; the model in memory is fine
+        logger.warning("could not save a converted copy of %s (%s: %s); later loads dequantise the GGUF again",
+                       name, type(exc).__name__, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     logger.info("saved a converted copy of %s at %s for fast loading", name, target)
+
+
+def _load_embedded(name: str, dtype: torch.dtype, convert: bool) -> tuple[Any, Any]:
+    """An installed embedded model: from its converted copy when there is a sound one, else from the GGUF (then
+    saved as a copy when ``convert`` and ``dtype`` is float32, the copy's one dtype). A copy that fails to load
+    is removed (logged) and the GGUF is used."""
+    gguf = registry.require_installed(name)
+    converted = _converted_dir(name, gguf)
+    if converted is not None:
+        try:
+            return _from_dir(converted, dtype)
+        except Exception as exc:  # noqa: BLE001 - a damaged copy must not stop the load: the GGUF is the source
+            logger.warning("the converted copy of %s at %s does not load (%s: %s); removing it and loading the GGUF",
+                           name, converted, type(exc).__name__, str(exc)[:200])
+            shutil.rmtree(converted, ignore_errors=True)
+    logger.info("loading %s from GGUF (dequantising; first load only)", name)
+    model, tokenizer = _from_gguf(gguf.parent, gguf.name, dtype)
+    if convert and dtype == torch.float32:
+        _convert(name, gguf, model, tokenizer)
+    return model, tokenizer
 
 
 def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, convert: bool = True
@@ -89,15 +122,7 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, conve
     (which needs the hub or a local Hugging Face cache).
     """
     if name_or_path in registry.EMBEDDED_MODELS:
-        gguf = registry.require_installed(name_or_path)
-        converted = _converted_dir(name_or_path, gguf)
-        if converted is not None:
-            model, tokenizer = _from_dir(converted, dtype)
-        else:
-            logger.info("loading %s from GGUF (dequantising; first load only)", name_or_path)
-            model, tokenizer = _from_gguf(gguf.parent, gguf.name, dtype)
-            if convert:
-                _convert(name_or_path, gguf, model, tokenizer)
+        model, tokenizer = _load_embedded(name_or_path, dtype, convert)
         return model, tokenizer, f"embedded:{name_or_path}"
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -142,7 +167,7 @@ def model_geometry(name_or_path: str) -> "ModelGeometry":
     cache_file = None
     if name_or_path in registry.EMBEDDED_MODELS:
         gguf = registry.require_installed(name_or_path)
-        cache_file = gguf.parent / "geometry.json"
+        cache_file = gguf.parent / registry.GEOMETRY_CACHE
         try:
             cached = json.loads(cache_file.read_text())
             if cached.get("sha256") == registry.get_spec(name_or_path).sha256:

