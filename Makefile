@@ -14,13 +14,18 @@ PYTEST_ARGS ?=
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
 
-$(VENV)/.installed: $(PY) pyproject.toml
+# a stamp of its own: a torch install that failed (say, the network dropped) is retried by the next make, never
+# skipped, so the project's install below cannot pull an unpinned torch
+$(VENV)/.torch: $(PY)
+	$(PY) -m pip install --quiet $(TORCH)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-venv: $(PY)
+venv: $(VENV)/.torch
 install: $(VENV)/.installed
 
 demo: install
