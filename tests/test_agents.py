@@ -620,6 +620,40 @@ def test_langchain_v1_agent_middleware_serves_model_calls_locally(pair, artifact
     assert reply.content == expected
     again = agent.invoke({"messages": [HumanMessage(DOCS[0]), HumanMessage("review")]})
     assert again["messages"][-1].response_metadata["cachecert"]["action"] == "reuse"
+    # the async form (agent.ainvoke) goes through the same policy; content-block lists count as their text
+    blocks = HumanMessage([{"type": "text", "text": DOCS[0]}])
+    later = asyncio.run(agent.ainvoke({"messages": [blocks, HumanMessage("outline")]}))
+    assert later["messages"][-1].response_metadata["cachecert"]["action"] == "reuse"
+    assert later["messages"][-1].content == expected
+
+
+def test_a_node_that_routes_with_a_command_has_its_calls_answered(pair, artifacts, tmp_path):
+    """A node returning LangGraph's ``Command(update=..., goto=...)`` gets its ``ModelCall`` values answered like
+    a plain dict return (the text, not the call object, lands in the state) and still routes."""
+    from langgraph.types import Command
+
+    runtime = make_runtime(pair, tmp_path, artifacts("accept.json"))
+
+    class State(TypedDict, total=False):
+        documents: list[str]
+        outline: str
+        done: bool
+
+    @cachecert_node(runtime, model="tiny-s")
+    def planner(state: State) -> Command:
+        return Command(update={"outline": ModelCall(context=state["documents"], instruction="outline",
+                                                    max_new_tokens=6)}, goto="finish")
+
+    def finish(state: State) -> dict:
+        return {"done": True}
+
+    g = StateGraph(State)
+    g.add_node("planner", planner)
+    g.add_node("finish", finish)
+    g.add_edge(START, "planner")
+    g.add_edge("finish", END)
+    out = g.compile().invoke({"documents": DOCS})
+    assert out["done"] and out["outline"] == plain_answer(pair[0], CONTEXT, "outline")
 
 
 def test_overhead_benchmark_times_the_three_variants_and_restores_the_handle(pair, tmp_path):

@@ -1,7 +1,8 @@
 """The LangGraph node wrapper: a node describes its local-model call, the runtime decides how to run it.
 
 A wrapped node returns a :class:`ModelCall` (the shared context, the node-specific instruction and optionally
-the model), or a dict whose values may be ``ModelCall`` objects; the wrapper runs each call through
+the model), a dict whose values may be ``ModelCall`` objects, or LangGraph's ``Command`` whose ``update`` is one of
+those (a node that routes); the wrapper runs each call through
 :meth:`CacheCertRuntime.generate` (reuse / certified transfer / prefill) and puts the generated text in its place::
 
     runtime = CacheCertRuntime(RuntimeConfig(routes=[...], audit_log="audit.jsonl"))
@@ -20,11 +21,14 @@ the state under ``decisions_key`` when one is given (declare that key with an ``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from langgraph.types import Command
 
 from cachecert_agents.agents.runtime import CacheCertRuntime, Decision
 
@@ -82,6 +86,10 @@ def _run_calls(runtime: CacheCertRuntime, result: Any, default_model: str | None
         _emit(decision)
         return text
 
+    if isinstance(result, Command) and isinstance(result.update, (dict, ModelCall)):
+        # a node that routes (LangGraph's Command) has its update's calls answered like a plain return's
+        return dataclasses.replace(result, update=_run_calls(runtime, result.update, default_model, output_key,
+                                                             node, decisions_key))
     if isinstance(result, ModelCall):
         if output_key is None:
             raise ValueError(f"node {node!r} returned a ModelCall but the decorator has no output_key")

@@ -11,12 +11,15 @@ in ``AIMessage.response_metadata["cachecert"]``. Tool calling is not supported b
 
     agent = create_agent(model=any_chat_model, tools=[], middleware=[CacheCertMiddleware(runtime, "smollm2-135m")])
 
-The middleware answers the agent's model calls with the local model through the runtime, and hands calls that
-need tools or structured output to the agent's own model (the local models here do not call tools).
+The middleware answers the agent's model calls with the local model through the runtime (``invoke`` and
+``ainvoke``; the async form runs the model in a worker thread), and hands calls that need tools or structured
+output to the agent's own model (the local models here do not call tools). Message content that is a list of
+content blocks counts as its text.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -31,12 +34,13 @@ from cachecert_agents.agents.runtime import CacheCertRuntime
 
 def split_messages(messages: list[BaseMessage]) -> tuple[str | None, str, str]:
     """``(system, context, instruction)`` of a message list (see the module docstring)."""
-    system = "\n\n".join(str(m.content) for m in messages if isinstance(m, SystemMessage)) or None
+    system = "\n\n".join(str(m.text) for m in messages if isinstance(m, SystemMessage)) or None
     rest = [m for m in messages if not isinstance(m, SystemMessage)]
     if not rest:
         raise ValueError("CacheCertChatModel needs at least one non-system message (the instruction)")
-    context = "\n\n".join(f"{m.type}: {m.content}" for m in rest[:-1])
-    return system, context, str(rest[-1].content)
+    # `text`: the text of string content and of content-block lists alike (never a list's Python repr)
+    context = "\n\n".join(f"{m.type}: {m.text}" for m in rest[:-1])
+    return system, context, str(rest[-1].text)
 
 
 class CacheCertChatModel(BaseChatModel):
@@ -77,12 +81,23 @@ class CacheCertMiddleware(AgentMiddleware):
         super().__init__()
         self.runtime, self.model_name, self.node, self.max_new_tokens = runtime, model_name, node, max_new_tokens
 
-    def wrap_model_call(self, request: ModelRequest, handler: Any) -> ModelResponse:
-        if request.tools or request.response_format is not None:
-            return handler(request)
+    def _handles(self, request: ModelRequest) -> bool:
+        """Whether the local model answers this call (no tools, no structured output)."""
+        return not request.tools and request.response_format is None
+
+    def _answer(self, request: ModelRequest) -> ModelResponse:
         messages = ([request.system_message] if request.system_message is not None else []) + list(request.messages)
         system, context, instruction = split_messages(messages)
         text, decision = self.runtime.generate(self.model_name, context, instruction, system, node=self.node,
                                                max_new_tokens=self.max_new_tokens)
         return ModelResponse(result=[AIMessage(content=text, response_metadata={
             "cachecert": decision.as_dict(), "model_name": self.model_name})])
+
+    def wrap_model_call(self, request: ModelRequest, handler: Any) -> ModelResponse:
+        return self._answer(request) if self._handles(request) else handler(request)
+
+    async def awrap_model_call(self, request: ModelRequest, handler: Any) -> ModelResponse:
+        """The async form (``agent.ainvoke``): the local model runs in a worker thread, off the event loop."""
+        if not self._handles(request):
+            return await handler(request)
+        return await asyncio.to_thread(self._answer, request)
