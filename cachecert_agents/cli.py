@@ -582,6 +582,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
         raise CacheCertError("cti takes --all for every pair, or one --pair SENDER:RECEIVER")
     if args.retention_workload and len(workloads) > 1:
         raise CacheCertError("--retention-workload takes one --workload (the index's calibration text)")
+    if args.retention_workload and earlier is not None:
+        raise CacheCertError(f"--out {args.out} exists: the cross-workload check (--retention-workload) writes a "
+                             "file of its own and does not merge into another; pass a new --out")
     if not (args.all or args.pair):
         raise CacheCertError("give --pair SENDER:RECEIVER or --all")
     results = []
@@ -593,6 +596,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
             listed = (args.retention_workload if args.statistics_contexts and args.retention_workload
                       else workload.name)
             pairs = pairs_with_mappers(listed)
+            if not pairs:
+                raise CacheCertError(f"--all: no pair has a mapper for {listed} (run `cachecert calibrate` or "
+                                     "`cachecert eval transfer` first)")
         else:
             pairs = [args.pair]
         for sender, receiver in pairs:
@@ -1218,7 +1224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="collect the pair's statistics and the receiver's query statistics for the index in one pass "
                         "over K calibration contexts (cached apart; no mapper fitted) instead of reading the mapper's "
                         "from `cachecert calibrate`")
-    p.add_argument("--propagation-contexts", type=_positive_int, default=2,
+    p.add_argument("--propagation-contexts", type=_non_negative_int, default=2,
                    help="calibration contexts on which the receiver propagates each split's stream error (the split "
                         "model; 0: the first-order model, no receiver forward)")
     p.add_argument("--residual", choices=("gcv", "calibration"), default="gcv",
@@ -1291,7 +1297,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pair_args(p)
     p.add_argument("--statistics-contexts", type=_positive_int, default=4,
                    help="calibration contexts of the CTI's single pass (statistics and query statistics)")
-    p.add_argument("--propagation-contexts", type=_positive_int, default=2, help="calibration contexts of the propagation")
+    p.add_argument("--propagation-contexts", type=_non_negative_int, default=2,
+                   help="calibration contexts of the propagation (0: the first-order split model)")
     p.add_argument("--n-calibration", type=_positive_int, default=20, help="calibration contexts of the mapper (+4 held out)")
     p.add_argument("--eval-examples", type=_positive_int, default=4, help="evaluation examples timed (then extrapolated)")
     p.add_argument("--out", default="docs/results/cti_cost.json", help="merge the row into this file")

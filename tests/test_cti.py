@@ -1,6 +1,7 @@
 """CTI: closed-form checks on synthetic statistics, the query-geometry property, and receiver query statistics
 against the model's own attention weights."""
 
+import json
 import math
 
 import pytest
@@ -83,6 +84,46 @@ def test_layer_terms_match_closed_form_values():
     assert t.deviation == pytest.approx(0.25 * 6 / 4)
     assert t.value_term == pytest.approx(0.25 * 2)
     assert t.residual_fraction == pytest.approx((4 + 2) / 8)
+
+
+def test_layer_terms_group_query_heads_onto_their_kv_heads_with_their_own_output_columns():
+    """Grouped-query attention (4 query heads on 2 KV heads), a random ``W_O`` and a nonzero value mean, against a
+    head-by-head evaluation of the definition in docs/cti.md: query head h reads KV head ``h // 2``
+    (``repeat_kv``), its own ``W_O`` columns, and the energy counts the value mean."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, hidden = 4, 2, 4, 6
+
+    def psd(n):
+        a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+        return a @ a.T / n + 0.1 * torch.eye(n, dtype=torch.float64)
+
+    res, cyy = psd(2 * kv_heads * d), psd(2 * kv_heads * d) * 3
+    mean_y = torch.randn(2 * kv_heads * d, generator=gen, dtype=torch.float64)
+    q2 = torch.rand(heads, d, generator=gen, dtype=torch.float64) * 2
+    conc = torch.rand(heads, generator=gen, dtype=torch.float64)
+    w_o = torch.randn(hidden, heads * d, generator=gen, dtype=torch.float64)
+    t = layer_terms(0, res, cyy, mean_y, q2, conc, w_o, kv_heads=kv_heads, head_dim=d, rotary_dim=d)
+
+    def rot_avg(v):  # channels i and i + d/2 share their mean (rotate_half pairing)
+        return torch.cat([(v[:2] + v[2:]) / 2, (v[:2] + v[2:]) / 2])
+
+    keys, values = res[:kv_heads * d, :kv_heads * d], res[kv_heads * d:, kv_heads * d:]
+    cov_v, mean_v = cyy[kv_heads * d:, kv_heads * d:], mean_y[kv_heads * d:]
+    key_terms, devs, energies = [], [], []
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        block = slice(g * d, (g + 1) * d)
+        gram = w_o[:, h * d:(h + 1) * d].T @ w_o[:, h * d:(h + 1) * d]
+        key = float((rot_avg(q2[h]) * rot_avg(torch.diagonal(keys[block, block]))).sum() / d)
+        spread = float(torch.trace(gram @ cov_v[block, block]))
+        value = float(torch.trace(gram @ values[block, block]))
+        energies.append(float(torch.trace(gram @ (cov_v[block, block] + torch.outer(mean_v[block], mean_v[block])))))
+        key_terms.append(key)
+        devs.append(float(conc[h]) * (key * spread + value))
+    energy = sum(energies) / heads
+    assert t.key_term == pytest.approx(sum(key_terms) / heads, rel=1e-10)
+    assert t.energy == pytest.approx(energy, rel=1e-10)
+    assert t.deviation == pytest.approx(sum(devs) / heads / energy, rel=1e-10)
 
 
 def test_key_error_orthogonal_to_the_queries_costs_nothing_while_r2_drops():
@@ -177,7 +218,7 @@ def test_attention_cosine_baseline_is_one_for_an_exact_map_and_lower_for_a_rando
 
 
 def test_correlate_and_report_with_the_cosine_baseline_and_a_second_workload(tmp_path):
-    from cachecert_agents.eval.cti_eval import correlate
+    from cachecert_agents.eval.cti_eval import correlate, spearman
     from cachecert_agents.eval.cti_report import write_cti_report
 
     def pred(sender, cti, cos):
@@ -192,9 +233,12 @@ def test_correlate_and_report_with_the_cosine_baseline_and_a_second_workload(tmp
     rows = [{"sender": s, "receiver": "r", "workload": "hotpotqa", "method": "ridge-kv", "n": 50, "retention": ret}
             for s, ret in (("a", 0.1), ("b", 0.2), ("c", 0.3))]
     assert correlate(preds, rows)["points"] == []  # the index was computed on another workload: no match
+    with pytest.raises(ValueError, match="NaN"):
+        spearman([1.0, float("nan"), 2.0], [0.1, 0.9, 0.2])  # a NaN would otherwise rank as the best point
     out = correlate([dict(p, workload="hotpotqa") for p in preds], rows)
     c = out["correlations"]["pooled"]
     assert c["spearman_cti"] == pytest.approx(1.0) and c["spearman_attention_cosine"] == pytest.approx(0.5)
+    assert c["n_points_pure_kv"] == 3 and c["spearman_cti_pure_kv"] == pytest.approx(1.0)
     payload = {"command": "cachecert cti", "date": "d", "machine": "m",
                "results": {"pairs": preds, "retention": out, "statistics_workload": "squad-long",
                            "retention_workload": "hotpotqa"}}
@@ -314,6 +358,20 @@ def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, 
     assert in_sample["baselines"]["residual_fraction"] > res["baselines"]["residual_fraction"]
     with pytest.raises(FileNotFoundError, match="--statistics-contexts"):
         pair_cti("tiny-a", receiver, wl, n_query_contexts=2)  # no mapper statistics from `calibrate`
+    with pytest.raises(ValueError, match="exceed the 2 contexts"):
+        small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=3)
+    # statistics holding a NaN, or query moments all zero, give an error naming the layer, never a number
+    from cachecert_agents.cti.index import compute_cti
+
+    poisoned = stats.targets["kv:1"].yy.clone()
+    poisoned[0, 0] = float("nan")
+    stats.targets["kv:1"].yy = poisoned
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\]"):
+        compute_cti(stats, inputs.queries, receiver)
+    again.queries.q2 = [torch.zeros_like(q) for q in again.queries.q2]
+    again.queries.conc = [torch.zeros_like(c) for c in again.queries.conc]
+    with pytest.raises(ValueError, match="unbounded"):
+        compute_cti(again.statistics, again.queries, receiver)
 
 
 def test_single_pass_equals_the_separate_passes(tiny_tokenizer):
@@ -392,3 +450,19 @@ def test_cti_results_merge_by_pair_and_refuse_other_settings():
     assert all("command" in p for p in merged if p["cti"] != 0.5)
     with pytest.raises(CacheCertError, match="gcv"):
         _merge_cti_pairs(old, [pair("b", "c", 0.3, gcv=False)], "cti.json")
+
+
+def test_cti_cli_refuses_what_it_cannot_do_before_any_work(tmp_path, cache_home, capsys):
+    """``--propagation-contexts 0`` (the first-order split model) parses; ``--all`` with no mapper on the workload
+    and the cross-workload check onto an existing results file are refused with one clear line."""
+    from cachecert_agents.cli import build_parser, main
+
+    assert build_parser().parse_args(["cti", "--all", "--propagation-contexts", "0"]).propagation_contexts == 0
+    data = tmp_path / "none.json"
+    assert main(["cti", "--all", "--workload", "hotpotqa", "--transfer", str(data)]) == 2
+    assert "no pair has a mapper for hotpotqa" in capsys.readouterr().err
+    out = tmp_path / "cti.json"
+    out.write_text(json.dumps({"results": {"pairs": []}}))
+    assert main(["cti", "--all", "--workload", "squad-long", "--retention-workload", "hotpotqa", "--out", str(out),
+                 "--transfer", str(data)]) == 2
+    assert "does not merge" in capsys.readouterr().err

@@ -160,10 +160,12 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
     layer_args: dict[int, tuple] = {}
     cyys: dict[int, torch.Tensor] = {}
     r2_num = r2_den = 0.0
+    missing = [layer for layer in range(geo.num_layers) if f"kv:{layer}" not in stats.targets]
+    if stats.header.get("anchor") is not None or missing:
+        raise ValueError("the index needs statistics of the default mapper: sender features only, every receiver "
+                         f"layer's keys/values (anchor {stats.header.get('anchor')}, missing layers {missing})")
     for layer in range(geo.num_layers):
         name = f"kv:{layer}"
-        if name not in stats.targets:
-            continue
         res, cyy, calibration_res = index_residual(stats, name, rho, gcv)
         mean_y = stats.targets[name].sum_y / stats.n_tokens
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
@@ -175,10 +177,15 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         layers.append(terms)
         r2_num += float(torch.trace(calibration_res))
         r2_den += float(torch.trace(cyy))
-    if not layers:
-        raise ValueError("the statistics hold no kv:* targets")
+    bad = [t.layer for t in layers if not (math.isfinite(t.deviation) and t.deviation >= 0)]
+    if bad:
+        raise ValueError(f"the predicted deviation of receiver layer(s) {bad} is not a finite non-negative number: "
+                         "the statistics or query moments hold NaN/inf (recollect them)")
     devs = [t.deviation for t in layers]
     mean_dev = sum(devs) / len(devs)
+    if mean_dev <= 0:
+        raise ValueError("every layer's predicted deviation is 0 (query or key/value moments all zero?): the index "
+                         "would be unbounded, not 'perfectly transferable'")
     worst = max(layers, key=lambda t: t.deviation)
     L = geo.num_layers
     splits = {}
@@ -193,11 +200,17 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
             splits[s] = {"predicted_deviation": first_order, "cti": -math.log10(max(first_order, 1e-30)),
                          "cti_first_order": -math.log10(max(first_order, 1e-30)), "stream_relres": relres,
                          "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac, "propagated": False}
+            if not (math.isfinite(first_order) and first_order > 0):
+                raise ValueError(f"the split-{s} prediction is {first_order!r}: the stream statistics hold NaN/inf "
+                                 "or are all zero (recollect them)")
             measured = (propagated or {}).get(s)
             if measured:
                 recomputed = {t.layer: layer_terms(t.layer, measured[t.layer].double(), cyys[t.layer],
                                                    *layer_args[t.layer]) for t in layers if t.layer >= s}
                 pred = sum(t.deviation if t.layer < s else recomputed[t.layer].deviation for t in layers) / len(layers)
+                if not (math.isfinite(pred) and pred > 0):
+                    raise ValueError(f"the propagated split-{s} prediction is {pred!r}: the propagation moments hold "
+                                     "NaN/inf or are all zero (recompute them)")
                 splits[s].update(predicted_deviation=pred, cti=-math.log10(max(pred, 1e-30)), propagated=True,
                                  recomputed_relres=sum(r.residual_fraction for r in recomputed.values())
                                  / len(recomputed),

@@ -27,7 +27,10 @@ from cachecert_agents.transfer.statistics import PairStatistics
 
 
 def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties); NaN with fewer than 3 points or a constant input."""
+    """Spearman's rank correlation (average ranks for ties); NaN with fewer than 3 points or a constant input.
+    Raises ``ValueError`` on a NaN or infinite value (it has no rank: argsort would silently rank it last)."""
+    if not np.all(np.isfinite(np.asarray(x, dtype=float))) or not np.all(np.isfinite(np.asarray(y, dtype=float))):
+        raise ValueError("spearman: a value is NaN or infinite; drop or fix the point first")
     if len(x) < 3:
         return float("nan")
 
@@ -133,8 +136,13 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
     ``n_contexts`` calibration contexts of ``workload`` (the stream at the receiver's layers ``round(f L)`` for
     the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` holds what was spent now (empty when
     everything came from the cache; only the propagation when just that was missing, e.g. for the other
-    ``gcv`` setting). A mapper is not fitted: the CTI needs moments, not a map."""
+    ``gcv`` setting). A mapper is not fitted: the CTI needs moments, not a map. The propagation runs on some of
+    the same contexts, so ``n_propagation_contexts`` may not exceed ``n_contexts`` (``ValueError``)."""
     from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
+
+    if n_propagation_contexts > n_contexts:
+        raise ValueError(f"{n_propagation_contexts} propagation contexts exceed the {n_contexts} contexts of the "
+                         "statistics pass they are taken from (--propagation-contexts <= --statistics-contexts)")
 
     stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}__k{n_contexts}")
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
@@ -260,7 +268,7 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
                        "method": row["method"], "n": row["n"], "retention": row["retention"],
                        "agreement": row.get("agreement"), "cti": sp["cti"],
                        "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
-                       "attention_cosine": cosine})
+                       "attention_cosine": cosine, "pure_kv": split == max(pred["splits"], key=int)})
     out: dict[str, Any] = {"points": points, "correlations": {}}
     workloads = sorted({p["workload"] for p in points})
     groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w] for w in workloads}
@@ -268,6 +276,12 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
         row = {"n_points": len(pts), **{
             f"spearman_{key}": spearman([p[key] for p in pts], [p["retention"] for p in pts])
             for key in ("cti", "residual_fraction", "r2")}}
+        # the R^2 baseline has one value per pair (pure KV), so every split of a pair ties on it: compare it with
+        # the index on the pure-KV points only, where the two are on equal terms
+        pure = [p for p in pts if p["pure_kv"]]
+        row["n_points_pure_kv"] = len(pure)
+        row |= {f"spearman_{key}_pure_kv": spearman([p[key] for p in pure], [p["retention"] for p in pure])
+                for key in ("cti", "residual_fraction", "r2")}
         with_cos = [p for p in pts if p["attention_cosine"] is not None]
         if with_cos:  # the expensive baseline, on the points that have it (and CTI on the same points)
             row["n_points_attention_cosine"] = len(with_cos)

@@ -72,6 +72,14 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
                    f"{f(c['spearman_cti_same_points'])})" if "spearman_attention_cosine" in c else "-")
             lines.append(f"| {name} | {c['n_points']} | {f(c['spearman_cti'])} | "
                          f"{f(c['spearman_residual_fraction'])} | {f(c['spearman_r2'])} | {cos} |")
+        pure = [(name, c) for name, c in corr["correlations"].items() if "n_points_pure_kv" in c]
+        if pure:  # R^2 has one value per pair: on split points it ties within each pair, so compare on pure KV too
+            lines += ["", "On the pure-KV points only (`ridge-kv`: the one point per pair where the R^2 baseline is "
+                      "defined as it is for the index):", "",
+                      "| group | points | Spearman CTI | Spearman 1-residual | Spearman R^2 |", "|---|---|---|---|---|"]
+            lines += [f"| {name} | {c['n_points_pure_kv']} | {f(c['spearman_cti_pure_kv'])} | "
+                      f"{f(c['spearman_residual_fraction_pure_kv'])} | {f(c['spearman_r2_pure_kv'])} |"
+                      for name, c in pure]
         lines += ["", "| pair | workload | method | n | retention | agreement | CTI | 1-residual | R^2 | "
                   "attention cosine |", "|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
