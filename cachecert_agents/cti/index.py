@@ -110,18 +110,21 @@ class LayerTerms:
 
 
 def layer_terms(layer: int, res: torch.Tensor, cyy: torch.Tensor, mean_y: torch.Tensor, q2: torch.Tensor,
-                conc: torch.Tensor, w_o: torch.Tensor, kv_heads: int, head_dim: int, rotary_dim: int) -> LayerTerms:
+                conc: torch.Tensor, w_o: torch.Tensor, kv_heads: int, head_dim: int, rotary_dim: int,
+                scaling: float | None = None) -> LayerTerms:
     """The deviation of one layer from its residual ``res`` and moments ``cyy`` ``[2 Hk d, 2 Hk d]`` (keys then
     values, head-major), ``mean_y`` ``[2 Hk d]``, query moments ``q2`` ``[H, d]`` (uncentred, per channel),
-    attention concentration ``conc`` ``[H]`` and ``w_o`` ``[hidden, H d]`` (all float64)."""
+    attention concentration ``conc`` ``[H]`` and ``w_o`` ``[hidden, H d]`` (all float64). ``scaling``: the
+    layer's softmax scale (default ``head_dim ** -0.5``), squared in the key term."""
     heads = q2.shape[0]
     key_var, value_err, spread, energy_h = kv_error_terms(res, cyy, mean_y, w_o, heads, kv_heads, head_dim,
                                                           rotary_dim)
     q2bar = rotation_averaged_diagonal(torch.diag_embed(q2), rotary_dim)  # [H, d]
     key_var = key_var.repeat_interleave(heads // kv_heads, 0)  # [H, d]
-    # E[ds^2] with the softmax scale 1/sqrt(head_dim); true of the four embedded models (Gemma 3's
-    # query_pre_attn_scalar equals head_dim), not of every architecture: see docs/cti.md, assumptions
-    key_terms = ((q2bar * key_var).sum(-1) / head_dim).tolist()
+    # E[ds^2] with the layer's softmax scale (1/sqrt(head_dim) in the four embedded models: Gemma 3's
+    # query_pre_attn_scalar equals head_dim)
+    scale2 = 1.0 / head_dim if scaling is None else float(scaling) ** 2
+    key_terms = ((q2bar * key_var).sum(-1) * scale2).tolist()
     value_terms, spreads, energies = value_err.tolist(), spread.tolist(), energy_h.tolist()
     c = conc.tolist()
     energy = sum(energies) / heads
@@ -170,7 +173,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         mean_y = stats.targets[name].sum_y / stats.n_tokens
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
                 attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
-                geo.rope_for_layer(layer).rotary_dim)
+                geo.rope_for_layer(layer).rotary_dim, float(attn[layer].scaling))
         layer_args[layer], cyys[layer] = args, cyy
         terms = layer_terms(layer, res, cyy, *args)
         terms.unit_deviation = layer_terms(layer, cyy, cyy, *args).deviation
