@@ -98,7 +98,7 @@ def _cmd_models_install(args: argparse.Namespace) -> int:
     for name in names:
         path = registry.install(name, force=args.force)
         if not args.no_convert:
-            load_pretrained(name)  # converts once to a fast-loading safetensors copy
+            load_pretrained(name, verify=True)  # converts once to a fast-loading copy; a damaged copy is redone
         done.append({"name": name, "path": str(path)})
         if not args.json:
             print(f"{name}: installed at {path}")

@@ -154,6 +154,9 @@ def test_a_damaged_converted_copy_is_not_loaded(fake_model, monkeypatch, caplog)
     marker = {"name": "fake-model", "sha256": spec.sha256, "dtype": "float32", "bytes": 10}
     (copy_dir / "cachecert-source.json").write_text(json.dumps(marker))
     assert loading._converted_dir("fake-model", path) == copy_dir
+    (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, weights_sha256="0" * 16)))
+    assert loading._converted_dir("fake-model", path) == copy_dir  # a plain load checks marker and size only
+    assert loading._converted_dir("fake-model", path, verify=True) is None  # `models install` reads it in full
     (copy_dir / "model.safetensors").write_bytes(b"x" * 9)  # truncated
     assert loading._converted_dir("fake-model", path) is None
     (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, bytes=9, dtype="bfloat16")))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cachecert_agents.artifacts import write_atomic
+from cachecert_agents.artifacts import file_fingerprint, write_atomic
 from cachecert_agents.errors import UnknownModelError
 from cachecert_agents.models import registry
 
@@ -46,9 +46,10 @@ def _from_dir(source: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[An
     return model, tokenizer
 
 
-def _converted_dir(name: str, gguf: Path) -> Path | None:
+def _converted_dir(name: str, gguf: Path, verify: bool = False) -> Path | None:
     """The float32 copy of ``gguf`` when its marker names this GGUF (sha256) and its weights file has the size
-    recorded there (markers written before sizes were recorded: the file must exist); None otherwise."""
+    recorded there (markers written before sizes were recorded: the file must exist); with ``verify``, also the
+    sha256 recorded there (read in full: seconds per GB). None otherwise."""
     target = gguf.parent / registry.CONVERTED_DIR
     try:
         marker = json.loads((target / _MARKER).read_text())
@@ -57,7 +58,13 @@ def _converted_dir(name: str, gguf: Path) -> Path | None:
         return None
     if marker.get("sha256") != registry.get_spec(name).sha256 or marker.get("dtype", "float32") != "float32":
         return None
-    return target if marker.get("bytes", size) == size else None
+    if marker.get("bytes", size) != size:
+        return None
+    if verify and "weights_sha256" in marker and marker["weights_sha256"] != file_fingerprint(target / _WEIGHTS):
+        logger.warning("the converted copy of %s at %s does not match its recorded sha256; it is replaced", name,
+                       target)
+        return None
+    return target
 
 
 def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
@@ -82,7 +89,8 @@ def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"name": name, "gguf": gguf.name, "dtype": "float32",
                                                "sha256": registry.get_spec(name).sha256,
-                                               "bytes": (tmp / _WEIGHTS).stat().st_size}))
+                                               "bytes": (tmp / _WEIGHTS).stat().st_size,
+                                               "weights_sha256": file_fingerprint(tmp / _WEIGHTS)}))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except Exception as exc:  # noqa: BLE001 - the copy is optional; the model in memory is fine
@@ -93,12 +101,12 @@ def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
     logger.info("saved a converted copy of %s at %s for fast loading", name, target)
 
 
-def _load_embedded(name: str, dtype: torch.dtype, convert: bool) -> tuple[Any, Any]:
-    """An installed embedded model: from its converted copy when there is a sound one, else from the GGUF (then
-    saved as a copy when ``convert`` and ``dtype`` is float32, the copy's one dtype). A copy that fails to load
-    is removed (logged) and the GGUF is used."""
+def _load_embedded(name: str, dtype: torch.dtype, convert: bool, verify: bool = False) -> tuple[Any, Any]:
+    """An installed embedded model: from its converted copy when there is a sound one (``verify``: its sha256
+    checked too), else from the GGUF (then saved as a copy when ``convert`` and ``dtype`` is float32, the copy's
+    one dtype). A copy that fails to load is removed (logged) and the GGUF is used."""
     gguf = registry.require_installed(name)
-    converted = _converted_dir(name, gguf)
+    converted = _converted_dir(name, gguf, verify)
     if converted is not None:
         try:
             return _from_dir(converted, dtype)
@@ -113,16 +121,17 @@ def _load_embedded(name: str, dtype: torch.dtype, convert: bool) -> tuple[Any, A
     return model, tokenizer
 
 
-def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, convert: bool = True
-                    ) -> tuple[Any, Any, str]:
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, convert: bool = True,
+                    verify: bool = False) -> tuple[Any, Any, str]:
     """Load ``(model, tokenizer, source)`` for an embedded model name, a local directory or a hub id.
 
-    Embedded models must be installed (``cachecert models install NAME``). A local directory may hold a
+    Embedded models must be installed (``cachecert models install NAME``); ``verify`` reads their converted
+    copy in full against its recorded sha256 (``models install`` does; a plain load checks marker and size). A local directory may hold a
     transformers checkpoint or a single ``*.gguf`` file. Anything else is tried as a Hugging Face model id
     (which needs the hub or a local Hugging Face cache).
     """
     if name_or_path in registry.EMBEDDED_MODELS:
-        model, tokenizer = _load_embedded(name_or_path, dtype, convert)
+        model, tokenizer = _load_embedded(name_or_path, dtype, convert, verify)
         return model, tokenizer, f"embedded:{name_or_path}"
     path = Path(name_or_path).expanduser()
     if path.is_dir():
