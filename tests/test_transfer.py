@@ -465,3 +465,8 @@ def test_build_mapper_without_a_size_takes_the_cached_one(twins, tmp_path):
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny.*.replaced-*"))) == 4  # the earlier one kept aside
     with pytest.raises(ValueError, match=f"asked for {DEFAULT_CALIBRATION_CONTEXTS} "):
         build_mapper(sender, receiver, wl, [L], n_contexts=None, n_heldout=1, out_dir=tmp_path / "empty")
+    # the workload's calibration text changed (other data, another context construction): refitted, not reused
+    changed = tiny_workload([CONTEXTS[1], CONTEXTS[0], *CONTEXTS[2:]], n_calibration=3)
+    refit = build_mapper(sender, receiver, changed, [2, L], n_contexts=None, n_heldout=1, out_dir=tmp_path)
+    assert refit.header["calibration_sha256"] != wider.header["calibration_sha256"]
+    assert refit.fingerprint != wider.fingerprint and len(list(tmp_path.glob("tiny-a__tiny-b__tiny.*.replaced-*"))) == 8

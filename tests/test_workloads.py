@@ -102,7 +102,7 @@ def test_tool_results_is_json_of_the_same_paragraphs(real):
         results = json.loads(body)
         assert [r["rank"] for r in results] == list(range(1, hotpot[ex.id].meta["n_paragraphs"] + 1))
         assert sorted(ex.meta["order"]) == list(range(len(results)))
-        assert [results[k - 1]["title"] in ex.meta["supporting_titles"] for k in ex.meta["supporting_ranks"]]
+        assert all(results[k - 1]["title"] in ex.meta["supporting_titles"] for k in ex.meta["supporting_ranks"])
         assert {results[k - 1]["title"] for k in ex.meta["supporting_ranks"]} == set(ex.meta["supporting_titles"])
         assert ex.references == hotpot[ex.id].references
         for r in results:
@@ -130,6 +130,20 @@ def test_musique_keeps_supporting_paragraphs_within_budget(real):
         else:
             assert len(ex.context) <= 6000
     assert any(ex.meta["dropped_paragraphs"] > 0 for ex in w.examples())
+
+
+def test_squad_long_calibration_contexts_never_hold_an_evaluation_gold_paragraph(real):
+    """A mapper is fitted on calibration contexts: none of them may hold the paragraph an evaluation question is
+    answered from. The earlier construction (``calibration_distractors="any"``) did, for most evaluation golds;
+    both give the same evaluation examples."""
+    w = real["squad-long"]
+    golds = {tuple(e.meta["paragraph"]) for e in w.examples("evaluation")}
+    assert not any(tuple(d) in golds for e in w.examples("calibration") for d in e.meta["distractors"])
+    earlier = get_workload("squad-long", data=w.data, calibration_distractors="any")
+    assert sum(any(tuple(d) in golds for d in e.meta["distractors"]) for e in earlier.examples("calibration")) > 100
+    assert earlier.examples("evaluation") == w.examples("evaluation")
+    with pytest.raises(ValueError, match="calibration_distractors"):
+        get_workload("squad-long", calibration_distractors="some")
 
 
 def test_squad_long_contains_gold_paragraph_and_answers(real):

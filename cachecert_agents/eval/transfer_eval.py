@@ -120,6 +120,14 @@ DEFAULT_CALIBRATION_CONTEXTS = 32
 """Calibration contexts of a mapper :func:`build_mapper` fits when none is cached and no size is asked for."""
 
 
+def calibration_fingerprint(workload: Workload, n_contexts: int, n_heldout: int) -> str:
+    """sha256 (16 hex) of the calibration text a mapper of ``n_contexts`` (plus ``n_heldout`` held out) is fitted
+    on: recorded in the mapper (``calibration_sha256``), so a mapper whose workload's calibration contexts have
+    changed since (other data, another context construction) is refitted rather than reused."""
+    cal = workload.examples("calibration")[:n_contexts + n_heldout]
+    return json_fingerprint([n_contexts, [[e.context, e.instruction] for e in cal]])
+
+
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
                  n_contexts: int | None, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False,
                  hidden_width: int | None = None, anchor: int | None = None) -> RidgeMapper:
@@ -152,17 +160,24 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     if artifact_paths(stem)[1].exists() and not force:
         mapper = RidgeMapper.load(stem, expect=expect)
         size = mapper.header.get("n_calibration_contexts")
-        if wanted <= set(mapper.header["targets"]) and n_contexts in (None, size):
+        recorded = mapper.header.get("calibration_sha256")
+        same_text = recorded is None or recorded == calibration_fingerprint(workload, size, n_heldout)
+        if wanted <= set(mapper.header["targets"]) and n_contexts in (None, size) and same_text:
+            if recorded is None:
+                logger.warning("mapper %s predates the calibration-text fingerprint: whether it was fitted on the "
+                               "workload's current calibration contexts cannot be checked (squad-long mappers made "
+                               "before the fifteenth session were not: refit them)", stem)
             logger.info("using mapper %s (%s calibration contexts)", stem, size)
             return mapper
-        logger.info("mapper %s lacks splits or calibration size asked for (%s contexts, asked %s); recalibrating "
-                    "(the earlier one is kept aside)", stem, size, n_contexts)
+        logger.info("mapper %s lacks splits or calibration size asked for, or was fitted on other calibration text "
+                    "(%s contexts, asked %s); recalibrating (the earlier one is kept aside)", stem, size, n_contexts)
     if n_contexts is None:
         n_contexts = header["n_calibration_contexts"] = size or DEFAULT_CALIBRATION_CONTEXTS
     cal = workload.examples("calibration")
     if len(cal) < n_contexts + n_heldout:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
                          f"{n_heldout} held out")
+    header["calibration_sha256"] = calibration_fingerprint(workload, n_contexts, n_heldout)
     hidden_splits = sorted(int(t.split(":")[1]) for t in wanted if t.startswith("hidden:"))
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
                                hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor,

@@ -533,6 +533,19 @@ class SquadLong(Workload):
     data_patterns = ("squad_v2_dev*.json", "dev-v2.0.json", "*dev*v2*.json", "*v2*dev*.json")
     expected_file = "squad/squad_v2_dev.json"
 
+    def __init__(self, *args: Any, calibration_distractors: Literal["no-evaluation-gold", "any"] = "no-evaluation-gold",
+                 **kwargs: Any) -> None:
+        """``calibration_distractors``: ``"no-evaluation-gold"`` (default, from the fifteenth session) keeps every
+        evaluation example's gold paragraph out of the calibration contexts, so a mapper (fitted on calibration
+        contexts) never sees the text an evaluation question is answered from; ``"any"`` rebuilds the earlier
+        contexts, in which most evaluation gold paragraphs served as calibration distractors
+        (benchmarks/squad_leak_check.py measures what that did). Evaluation contexts are the same either way."""
+        if calibration_distractors not in ("no-evaluation-gold", "any"):
+            raise ValueError(f"calibration_distractors must be 'no-evaluation-gold' or 'any', got "
+                             f"{calibration_distractors!r}")
+        super().__init__(*args, **kwargs)
+        self.calibration_distractors = calibration_distractors
+
     def _build(self, path: Path) -> list[Example]:
         obj = _load_json(path)
         _require(obj, ("data",), path, "the top level")
@@ -566,12 +579,17 @@ class SquadLong(Workload):
                         self.excluded["not first answerable of its paragraph"] += 1
                 if first is not None:
                     golds.append((a, len(pool) - 1, first))
-        return [self._make(a, g, qa, pool) for a, g, qa in golds]
+        evaluation_golds = {g for _, g, qa in golds if assign_split(self.name, str(qa["id"])) == "evaluation"}
+        return [self._make(a, g, qa, pool, evaluation_golds) for a, g, qa in golds]
 
-    def _make(self, article: int, gold: int, qa: dict, pool: list[tuple[int, int, str, str]]) -> Example:
+    def _make(self, article: int, gold: int, qa: dict, pool: list[tuple[int, int, str, str]],
+              evaluation_golds: set[int]) -> Example:
         qid = str(qa["id"])
         rng = random.Random(self.seed + stable_int(qid))
-        eligible = sum(1 for entry in pool if entry[0] != article)
+        # distractors a calibration context may not hold: the evaluation examples' gold paragraphs
+        banned = (evaluation_golds if self.calibration_distractors == "no-evaluation-gold"
+                  and assign_split(self.name, qid) == "calibration" else set())
+        eligible = sum(1 for j, entry in enumerate(pool) if entry[0] != article and j not in banned)
         budget = self.context_chars
         distractors: list[int] = []
         used: set[int] = set()
@@ -582,7 +600,7 @@ class SquadLong(Workload):
         while (budget is not None and len(distractors) < eligible
                and len(_render_documents(docs_of([gold, *distractors]))) < budget):
             j = rng.randrange(len(pool))
-            if pool[j][0] == article or j in used:
+            if pool[j][0] == article or j in used or j in banned:
                 continue
             used.add(j)
             distractors.append(j)
