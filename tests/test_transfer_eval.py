@@ -98,6 +98,12 @@ def test_retention_interval_is_a_paired_bootstrap_around_the_ratio():
         ratio_interval([1.0], [1.0, 2.0])
     # a denominator that is zero on most resamples (one positive full score in 20): no interval, not a biased one
     assert ratio_interval([1.0] + [0.0] * 19, [1.0] + [0.0] * 19) == (None, None)
+    # a resample whose full scores are all zero but whose transfer scores are not has an infinite ratio: it stays
+    # in the upper tail (dropping it pulled the upper bound down), and an infinite upper percentile is None
+    full, moved = [1.0] * 4 + [0.0] * 36, [1.0] * 4 + [0.0] * 30 + [1.0] * 6
+    low, high = ratio_interval(moved, full)
+    assert low > 1 and (high is None or high > 8.0)
+    assert ratio_interval([1.0] * 10, [0.0] * 9 + [1.0])[1] is None
     rows = summarise([_rec(i, "split@7", 0.4, True, split=7, num_layers=28, transfer_s=1.0) for i in range(4)],
                      [{"id": str(i), "score": 0.8, "prefill_s": 2.0} for i in range(4)])
     assert rows[0]["retention_ci95"] == pytest.approx([0.5, 0.5])

@@ -274,6 +274,16 @@ def test_malformed_nested_rows(tmp_path):
         {"id": "q", "question": None, "answers": []}]}]}]}, "qas\\[0\\], key 'question'"),
     ("squad-long", {"data": [{"title": "T", "paragraphs": [{"context": "c", "qas": [
         {"id": "q", "question": "q", "answers": [{"text": None}]}]}]}]}, "answers\\[0\\], key 'text'"),
+    ("musique", [{"id": "m", "question": "q", "answer": "a", "answerable": "false", "paragraphs": []}],
+     "row 0, key 'answerable'"),  # bool("false") is True: a string flag would count the row as answerable
+    ("musique", [{"id": "m", "question": "q", "answer": "a", "paragraphs": [
+        {"title": "T", "paragraph_text": "p", "is_supporting": "false"}]}], "paragraph 0, key 'is_supporting'"),
+    ("musique", [{"id": "m", "question": "q", "answer": "a", "paragraphs": [
+        {"title": None, "paragraph_text": "p", "is_supporting": True}]}], "paragraph 0, key 'title'"),
+    ("musique", [{"id": "m", "question": "q", "answer": " . ", "paragraphs": [
+        {"title": "T", "paragraph_text": "p", "is_supporting": True}]}], "no reference answer with any text"),
+    ("musique", [], "no musique examples"),
+    ("squad-long", {"data": []}, "no squad-long examples"),
 ])
 def test_wrong_types_name_the_file_row_and_key(tmp_path, name, obj, match):
     bad = _write(tmp_path / f"{name}.json", obj)

@@ -106,20 +106,24 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], lev
                    resamples: int = 2000, seed: int = 0) -> tuple[float | None, float | None]:
     """Paired percentile-bootstrap interval of ``mean(numerator) / mean(denominator)`` (e.g. retention: transfer
     scores over full-prefill scores of the same examples). Examples are resampled with replacement, keeping each
-    pair together. Returns ``(low, high)`` at ``level``, or ``(None, None)`` when the ratio is undefined on too many
-    resamples to trust the interval: a resample whose denominator sums to zero has no ratio, and dropping more of
-    them than one tail's share (``(1 - level) / 2``) would bias the percentiles."""
+    pair together. Returns ``(low, high)`` at ``level``. A resample whose denominator sums to zero has ratio
+    ``+inf`` when its numerator is positive (it stays in the upper tail: dropping it would pull ``high`` down) and
+    none when both are zero (0/0, dropped); ``(None, None)`` when more than one tail's share (``(1 - level) / 2``)
+    is dropped, and ``high`` None when the upper percentile itself is infinite (no finite upper bound)."""
     num, den = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
     if num.shape != den.shape or num.ndim != 1 or num.size == 0:
         raise ValueError("numerator and denominator must be non-empty sequences of the same length")
     alpha = (1 - level) / 2
     idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
-    sums_den = den[idx].sum(1)
-    keep = sums_den != 0
+    sums_den, sums_num = den[idx].sum(1), num[idx].sum(1)
+    keep = (sums_den != 0) | (sums_num != 0)
     if keep.mean() < 1 - alpha:
         return None, None
-    ratios = num[idx].sum(1)[keep] / sums_den[keep]
-    return float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+    with np.errstate(divide="ignore"):
+        ratios = np.where(sums_den[keep] != 0, sums_num[keep] / np.where(sums_den[keep] != 0, sums_den[keep], 1.0),
+                          np.copysign(np.inf, sums_num[keep]))
+    low, high = float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+    return (low if np.isfinite(low) else None), (high if np.isfinite(high) else None)
 
 
 def mcnemar_exact(only_first: int, only_second: int) -> float:

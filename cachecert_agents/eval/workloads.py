@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from cachecert_agents.errors import CacheCertError
-from cachecert_agents.eval.metrics import best_over_references, exact_match, rouge_l, token_f1
+from cachecert_agents.eval.metrics import best_over_references, exact_match, normalize_answer, rouge_l, token_f1
 
 __all__ = [
     "Agreement",
@@ -332,8 +332,15 @@ class Workload(ABC):
 
     def _example(self, example_id: str, context: str, instruction: str, references: list[str],
                  meta: dict) -> Example:
+        """An :class:`Example`; references that normalise to nothing (``"."``, ``"the"``) are dropped, as the
+        official SQuAD v2 script drops them (any answer would match one), and an example left with none is a
+        :class:`DataFormatError` naming it."""
+        scorable = [r for r in references if normalize_answer(r)]
+        if not scorable:
+            raise DataFormatError(f"{self.name} example {example_id!r}: no reference answer with any text to score "
+                                  f"against (got {references!r})")
         return Example(id=example_id, workload=self.name, context=context, instruction=instruction,
-                       references=references, split=assign_split(self.name, example_id), meta=meta)
+                       references=scorable, split=assign_split(self.name, example_id), meta=meta)
 
     def examples(self, split: str | None = None, limit: int | None = None) -> list[Example]:
         """Examples in file order, optionally of one split and at most ``limit`` of them (loaded once)."""
@@ -345,6 +352,8 @@ class Workload(ABC):
             path = self.data_path()
             self.excluded = Counter()
             built = self._build(path)
+            if not built:
+                raise DataFormatError(f"{path}: no {self.name} examples in it (excluded: {dict(self.excluded) or 'none'})")
             seen: set[str] = set()
             for ex in built:
                 if ex.id in seen:
@@ -494,10 +503,12 @@ class MuSiQue(Workload):
             _expect(isinstance(row["question"], str), path, where, "question", "a string")
             _expect(isinstance(row["answer"], str), path, where, "answer", "a string")
             _expect(isinstance(row["paragraphs"], list), path, where, "paragraphs", "a list")
+            _expect(isinstance(row.get("answerable", True), bool), path, where, "answerable", "true or false")
             for j, par in enumerate(row["paragraphs"]):
                 _require(par, ("title", "paragraph_text", "is_supporting"), path, f"{where}, paragraph {j}")
-                _expect(isinstance(par["paragraph_text"], str), path, f"{where}, paragraph {j}", "paragraph_text",
-                        "a string")
+                for key, kind, what in (("paragraph_text", str, "a string"), ("title", str, "a string"),
+                                        ("is_supporting", bool, "true or false")):
+                    _expect(isinstance(par[key], kind), path, f"{where}, paragraph {j}", key, what)
             aliases = row.get("answer_aliases") or []
             _expect(isinstance(aliases, list) and all(isinstance(a, str) for a in aliases), path, where,
                     "answer_aliases", "a list of strings")
