@@ -21,7 +21,8 @@ $(VENV)/.torch: $(PY)
 	$(PY) -m pip install --quiet $(TORCH)
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+# order-only (|): a .venv from before the stamp existed is not reinstalled for want of it
+$(VENV)/.installed: pyproject.toml | $(VENV)/.torch
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 

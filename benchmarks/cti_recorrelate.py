@@ -29,9 +29,9 @@ def _pairs(ref: str) -> list[dict]:
 
 
 def _summary(pairs: list[dict], rows: list[dict]) -> dict:
-    return {group: {"n_points": c["n_points"], "spearman_cti": c["spearman_cti"],
-                    "spearman_residual_fraction": c["spearman_residual_fraction"]}
-            for group, c in correlate(pairs, rows)["correlations"].items()}
+    keys = ("n_points", "spearman_cti", "spearman_residual_fraction", "spearman_r2", "n_points_pure_kv",
+            "spearman_cti_pure_kv", "spearman_residual_fraction_pure_kv", "spearman_r2_pure_kv")
+    return {group: {k: c[k] for k in keys} for group, c in correlate(pairs, rows)["correlations"].items()}
 
 
 def main() -> None:

@@ -117,8 +117,9 @@ def main() -> None:
             print(f"{sender}:{receiver} {workload}: {res['examples']} questions with every method")
             for r in res["rows"]:
                 saved = "-" if r["prefill_saved"] is None else f"{r['prefill_saved']:.2f}"
-                print(f"  {r['method']:20s} retention {r['retention']:.3f} ({r['retention_ci95'][0]:.2f}-"
-                      f"{r['retention_ci95'][1]:.2f}) agreement {r['agreement']:.2f} saved {saved}"
+                low, high = ("-" if v is None else f"{v:.2f}" for v in r["retention_ci95"])  # None: unbounded
+                print(f"  {r['method']:20s} retention {r['retention']:.3f} ({low}-{high}) agreement "
+                      f"{r['agreement']:.2f} saved {saved}"
                       + (f" | vs {v['reference']}: {v['only_reference']} only it, {v['only_method']} only this, "
                          f"McNemar p {v['p_mcnemar']:.2g}" if (v := r.get("agreement_vs_reference")) else ""))
     summary = summarise_cells(out)

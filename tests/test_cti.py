@@ -344,6 +344,11 @@ def test_cti_from_its_own_small_statistics_is_cached_and_costed(tiny_tokenizer, 
     assert "hidden:1" in stats.targets  # round(0.25 L) with L = 3: the split model has a stream to propagate
     again = small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1)
     assert again.seconds == {}  # everything loaded from the cache
+    other_text = tiny_workload(["a bird sang in the tree by the river " * 3, *[e.context for e in wl.examples()][1:]],
+                               n_calibration=4)
+    assert small_cti_inputs(sender, receiver, other_text, 2, n_propagation_contexts=1).seconds  # recollected
+    assert len(list((cache_home / "cti").glob("*__k2.stats.*.replaced-*"))) == 2  # the earlier ones kept aside
+    small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1)  # back to the first text: recollected too
     assert torch.equal(again.statistics.targets["kv:0"].sum_y, stats.targets["kv:0"].sum_y)
     res = pair_cti("tiny-a", receiver, wl, n_propagation_contexts=1, inputs=inputs)
     assert res["statistics_contexts"] == 2 and res["splits"]["1"]["propagated"]

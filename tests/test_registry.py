@@ -91,6 +91,20 @@ def test_interrupted_install_is_not_taken_for_a_good_one(fake_model):
     assert registry.install("fake-model", progress=False).read_bytes() == blob
 
 
+def test_stale_temporaries_of_a_killed_install_are_removed_and_young_ones_kept(fake_model):
+    import os
+    import time
+
+    directory = registry.model_dir("fake-model")
+    directory.mkdir(parents=True)
+    old, young = directory / "fake.gguf.abc.partial", directory / "fake.gguf.def.partial"
+    old.write_bytes(b"x")
+    young.write_bytes(b"y")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    registry.install("fake-model", progress=False)
+    assert not old.exists() and young.exists()  # another process may still be writing the young one
+
+
 def test_checksum_mismatch_installs_nothing(fake_model, monkeypatch):
     spec, index, blob = fake_model
     monkeypatch.setitem(registry.EMBEDDED_MODELS, "fake-model", spec.model_copy(update={"sha256": "0" * 64}))
@@ -136,9 +150,13 @@ def test_a_new_gguf_drops_what_was_derived_from_the_old_one(fake_model):
     registry.install("fake-model", force=True, progress=False)
     assert not (path.parent / registry.CONVERTED_DIR).exists() and not (path.parent / registry.GEOMETRY_CACHE).exists()
     (path.parent / "manifest.json").unlink()
+    (path.parent / "notes.txt").write_text("mine")
     with pytest.raises(ModelInstallError, match="not an install"):
         registry.uninstall("fake-model")
     assert path.exists()  # nothing deleted
+    (path.parent / "notes.txt").unlink()  # what is left is an interrupted install's: removable
+    registry.uninstall("fake-model")
+    assert not path.parent.exists()
 
 
 def test_a_damaged_converted_copy_is_not_loaded(fake_model, monkeypatch, caplog):
@@ -161,7 +179,14 @@ def test_a_damaged_converted_copy_is_not_loaded(fake_model, monkeypatch, caplog)
     assert loading._converted_dir("fake-model", path) is None
     (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, bytes=9, dtype="bfloat16")))
     assert loading._converted_dir("fake-model", path) is None  # another dtype than the copy's float32
+    # a marker from before dtypes were recorded: the safetensors header says (a bfloat16 copy is not float32)
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}).encode()
+    (copy_dir / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"xx")
+    legacy = {k: v for k, v in marker.items() if k not in ("dtype", "bytes")}
+    (copy_dir / "cachecert-source.json").write_text(json.dumps(legacy))
+    assert loading._converted_dir("fake-model", path) is None
     (copy_dir / "cachecert-source.json").write_text(json.dumps(dict(marker, bytes=9)))
+    (copy_dir / "model.safetensors").write_bytes(b"x" * 9)
 
     def broken(*args, **kwargs):
         raise ValueError("header too short")

@@ -415,11 +415,23 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
                       controls=False)
     assert len(read_jsonl(records_file)) == 1
     records_file.write_text(json.dumps(latest) + "\n")
+    shorter = tiny_workload(CONTEXTS, n_calibration=3)
+    shorter.max_new_tokens = 2  # another generation setting: other answers
+    evaluate_transfer(sender, receiver, shorter, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False,
+                      controls=False)
+    assert [r["settings"] == latest["settings"] for r in read_jsonl(records_file)] == [True, False]
+    # back to the first settings: the newest record (other settings) decides, so it is redone, not the older
+    # matching one resumed under it
+    again, _ = evaluate_transfer(sender, receiver, wl, mapper, [2], n=1, results_dir=tmp_path / "r",
+                                 progress=False, controls=False)
+    assert [r["settings"] == latest["settings"] for r in read_jsonl(records_file)] == [True, False, True]
+    assert again[0]["settings"] == latest["settings"] and again[0]["agreement"] == str(wl.agreement)
+    # the agreement criterion labels answers, it does not make them: not a reason to redo
     strict = tiny_workload(CONTEXTS, n_calibration=3)
     strict.agreement = Agreement.parse("token-f1>=0.9")
     evaluate_transfer(sender, receiver, strict, mapper, [2], n=1, results_dir=tmp_path / "r", progress=False,
                       controls=False)
-    assert [r["settings"] == latest["settings"] for r in read_jsonl(records_file)] == [True, False]
+    assert len(read_jsonl(records_file)) == 3
     # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
     build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4

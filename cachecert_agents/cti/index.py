@@ -173,7 +173,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
         mean_y = stats.targets[name].sum_y / stats.n_tokens
         args = (mean_y, queries.q2[layer].double(), queries.conc[layer].double(),
                 attn[layer].o_proj.weight.detach().double().cpu(), geo.num_kv_heads, geo.head_dim,
-                geo.rope_for_layer(layer).rotary_dim, float(attn[layer].scaling))
+                geo.rope_for_layer(layer).rotary_dim, float(getattr(attn[layer], "scaling", geo.head_dim ** -0.5)))
         layer_args[layer], cyys[layer] = args, cyy
         terms = layer_terms(layer, res, cyy, *args)
         terms.unit_deviation = layer_terms(layer, cyy, cyy, *args).deviation

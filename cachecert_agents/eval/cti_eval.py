@@ -8,6 +8,7 @@ statistics hold the residual stream at ``s``). Spearman's rho is computed per wo
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from cachecert_agents.artifacts import keep_artifact_aside
 from cachecert_agents.cti.index import compute_cti, stream_residuals
 from cachecert_agents.cti.propagation import propagated_error_moments
 from cachecert_agents.cti.queries import QueryStatistics, collect_query_statistics
 from cachecert_agents.cti.single_pass import CTIInputs, cti_inputs
-from cachecert_agents.eval.transfer_eval import artifact_stem, mapper_stem, parse_method
+from cachecert_agents.eval.transfer_eval import artifact_stem, calibration_fingerprint, mapper_stem, parse_method
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
 from cachecert_agents.transfer.statistics import PairStatistics
+
+logger = logging.getLogger(__name__)
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -146,8 +150,20 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
 
     stem = str(cache_home() / "cti" / f"{artifact_stem(sender.name, receiver.name, workload.name)}__k{n_contexts}")
     header = pair_header(sender, receiver, workload=workload.name, n_calibration_contexts=n_contexts)
-    if Path(f"{stem}.stats.json").exists() and Path(f"{stem}.queries.json").exists():  # the count is in the name
+    header["calibration_sha256"] = calibration_fingerprint(workload, n_contexts)
+    cached = Path(f"{stem}.stats.json").exists() and Path(f"{stem}.queries.json").exists()  # the count is in the name
+    if cached:
         stats = PairStatistics.load(f"{stem}.stats", expect=pair_fingerprints(header))
+        recorded = stats.header.get("calibration_sha256")
+        if recorded is None:
+            logger.warning("CTI statistics %s predate the calibration-text fingerprint: whether they were collected "
+                           "on the workload's current calibration contexts cannot be checked (squad-long ones made "
+                           "before the fifteenth session were not: delete them to recollect)", stem)
+        elif recorded != header["calibration_sha256"]:
+            logger.info("CTI statistics %s were collected on other calibration text; recollecting (the earlier "
+                        "ones are kept aside)", stem)
+            cached = False
+    if cached:
         queries = QueryStatistics.load(f"{stem}.queries", expect={"receiver_kv": receiver.geometry.kv_fingerprint(),
                                                                   "n_contexts": n_contexts})
         moments, seconds = None, {}
@@ -163,6 +179,8 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts}")
     inputs = cti_inputs(sender, receiver, [(e.context, e.instruction) for e in cal], splits, workload.name,
                         n_propagation_contexts, header, gcv=gcv)
+    for kind in ("stats", "queries"):
+        keep_artifact_aside(f"{stem}.{kind}")
     inputs.statistics.save(f"{stem}.stats")
     inputs.queries.save(f"{stem}.queries")
     if inputs.propagated is not None:

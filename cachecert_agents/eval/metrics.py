@@ -122,7 +122,8 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], lev
     with np.errstate(divide="ignore"):
         ratios = np.where(sums_den[keep] != 0, sums_num[keep] / np.where(sums_den[keep] != 0, sums_den[keep], 1.0),
                           np.copysign(np.inf, sums_num[keep]))
-    low, high = float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+    with np.errstate(invalid="ignore"):  # interpolating between two infinite ratios
+        low, high = float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
     return (low if np.isfinite(low) else None), (high if np.isfinite(high) else None)
 
 

@@ -33,7 +33,7 @@ import statistics
 from collections import Counter
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -120,12 +120,13 @@ DEFAULT_CALIBRATION_CONTEXTS = 32
 """Calibration contexts of a mapper :func:`build_mapper` fits when none is cached and no size is asked for."""
 
 
-def calibration_fingerprint(workload: Workload, n_contexts: int, n_heldout: int) -> str:
-    """sha256 (16 hex) of the calibration text a mapper of ``n_contexts`` (plus ``n_heldout`` held out) is fitted
-    on: recorded in the mapper (``calibration_sha256``), so a mapper whose workload's calibration contexts have
-    changed since (other data, another context construction) is refitted rather than reused."""
-    cal = workload.examples("calibration")[:n_contexts + n_heldout]
-    return json_fingerprint([n_contexts, [[e.context, e.instruction] for e in cal]])
+def calibration_fingerprint(workload: Workload, n_contexts: int) -> str:
+    """sha256 (16 hex) of the calibration text a mapper of ``n_contexts`` contexts is fitted on (the held-out
+    ones after them only tune it, and callers hold out different numbers): recorded in the mapper
+    (``calibration_sha256``) and in the CTI's statistics, so an artifact whose workload's calibration contexts
+    have changed since (other data, another context construction) is rebuilt rather than reused."""
+    cal = workload.examples("calibration")[:n_contexts]
+    return json_fingerprint([[e.context, e.instruction] for e in cal])
 
 
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
@@ -161,7 +162,7 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
         mapper = RidgeMapper.load(stem, expect=expect)
         size = mapper.header.get("n_calibration_contexts")
         recorded = mapper.header.get("calibration_sha256")
-        same_text = recorded is None or recorded == calibration_fingerprint(workload, size, n_heldout)
+        same_text = recorded is None or recorded == calibration_fingerprint(workload, size)
         if wanted <= set(mapper.header["targets"]) and n_contexts in (None, size) and same_text:
             if recorded is None:
                 logger.warning("mapper %s predates the calibration-text fingerprint: whether it was fitted on the "
@@ -177,7 +178,7 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
     if len(cal) < n_contexts + n_heldout:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts} + "
                          f"{n_heldout} held out")
-    header["calibration_sha256"] = calibration_fingerprint(workload, n_contexts, n_heldout)
+    header["calibration_sha256"] = calibration_fingerprint(workload, n_contexts)
     hidden_splits = sorted(int(t.split(":")[1]) for t in wanted if t.startswith("hidden:"))
     stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
                                hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor,
@@ -243,27 +244,28 @@ def recorded_pools(results_dir: Path) -> list[tuple[str, str, str]]:
 
 
 def record_settings(workload: Workload, example: Example, *models: ModelHandle) -> str:
-    """sha256 (16 hex) of what a record's answer and label depend on besides its method: the ``models``' names
+    """sha256 (16 hex) of what a record's answer and score depend on besides its method: the ``models``' names
     and weights (the receiver's alone for a full-prefill record; sender and receiver for the rest), the example's
-    context, instruction and references, and the workload's generation and agreement settings. Stored as the
-    record's ``settings``: a resumed run redoes a record whose settings differ (records written before it was
-    stored are taken as they are)."""
+    context, instruction and references, and the workload's generation settings. Stored as the record's
+    ``settings``: a resumed run redoes a record whose settings differ (records written before it was stored are
+    taken as they are). The agreement criterion is not in it (it labels answers, it does not make them): each
+    record names the one its ``agree`` was judged by (``agreement``), and ``eval cert --agreement`` relabels."""
     return json_fingerprint({
         "models": [[m.name, m.weights_fingerprint] for m in models],
         "example": [example.id, example.context, example.instruction, example.references],
-        "workload": [workload.name, workload.max_new_tokens, list(workload.stop_strings), str(workload.agreement)]})
+        "workload": [workload.name, workload.max_new_tokens, list(workload.stop_strings)]})
 
 
-def current_records(records: list[dict], settings: dict[str, str]) -> tuple[list[dict], int]:
-    """The records whose ``settings`` match ``settings[id]`` (or that predate it, or whose example is not in
-    ``settings``), and how many ``(id, method)`` have only records that do not match (made with other weights,
-    data or settings: they are redone, not resumed)."""
-    def current(r: dict) -> bool:
-        return r["id"] not in settings or r.get("settings", settings[r["id"]]) == settings[r["id"]]
-
-    kept = [r for r in records if current(r)]
-    stale = {(r["id"], r.get("method")) for r in records if not current(r)}
-    return kept, len(stale - {(r["id"], r.get("method")) for r in kept})
+def current_records(records: list[dict], settings: dict[str, str],
+                    key: Callable[[dict], tuple] = lambda r: (r["id"], r.get("method"))) -> tuple[list[dict], int]:
+    """The latest record per ``key`` (default: example and method) when its ``settings`` match ``settings[id]``
+    (or it predates them, or its example is not in ``settings``), and how many latest records do not match (made
+    with other weights, data or settings: redone, not resumed). The latest decides: an earlier matching record
+    under a newer one made with other settings does not count as done."""
+    latest = {key(r): r for r in records}
+    kept = [r for r in latest.values()
+            if r["id"] not in settings or r.get("settings", settings[r["id"]]) == settings[r["id"]]]
+    return kept, len(latest) - len(kept)
 
 
 def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str]
@@ -364,7 +366,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             rec = {"id": ex.id, "sender": sender.name, "receiver": receiver.name, "workload": workload.name,
                    "method": method, "answer": answer, "score": workload.score(answer, ex.references),
                    "agree": workload.agree(answer, full["answer"]), "prefill_s": prefill_s,
-                   "prefill_timed": "same-run", "settings": settings[ex.id], **extra}
+                   "prefill_timed": "same-run", "settings": settings[ex.id], "agreement": str(workload.agreement),
+                   **extra}
             append_jsonl(path, rec)
             done.add((ex.id, method))
 
@@ -534,7 +537,8 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
     full = {r["id"]: r for r in full_kept if r.get("receiver_weights", weights) == weights}  # the latest per id
     examples = [e for e in candidates if e.id in full][:n]
     settings = {ex.id: record_settings(workload, ex, sender, receiver) for ex in examples}
-    done = {(r["id"], r["variant"], r["split"]) for r in current_records(read_jsonl(path), settings)[0]}
+    variant_key = lambda r: (r["id"], r["variant"], r["split"])  # noqa: E731
+    done = {variant_key(r) for r in current_records(read_jsonl(path), settings, variant_key)[0]}
     gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
     prefix_cache = None
     for ex in tqdm(examples, desc=f"diagnose {sender.name}->{receiver.name}", disable=not progress):
@@ -553,11 +557,9 @@ def diagnose_splits(sender: ModelHandle, receiver: ModelHandle, workload: Worklo
             append_jsonl(path, {"id": ex.id, "variant": variant, "split": s, "answer": answer,
                                  "score": workload.score(answer, ex.references),
                                  "agree": workload.agree(answer, full[ex.id]["answer"]),
-                                 "settings": settings[ex.id]})
+                                 "settings": settings[ex.id], "agreement": str(workload.agreement)})
     rows = []
-    latest = {(r["id"], r["variant"], r["split"]): r for r in current_records(read_jsonl(path), settings)[0]
-              if r["id"] in settings}
-    records = list(latest.values())
+    records = [r for r in current_records(read_jsonl(path), settings, variant_key)[0] if r["id"] in settings]
     for s in splits:
         for variant in ("mapped", "oracle-kv", "oracle-hidden"):
             recs = [r for r in records if r["split"] == s and r["variant"] == variant]

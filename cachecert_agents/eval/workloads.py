@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -41,6 +42,8 @@ from pydantic import BaseModel, Field
 
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import best_over_references, exact_match, normalize_answer, rouge_l, token_f1
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Agreement",
@@ -327,18 +330,20 @@ class Workload(ABC):
         return _find_file(root, self.data_patterns, self.expected_file)
 
     @abstractmethod
-    def _build(self, path: Path) -> list[Example]:
-        """All examples of the data at ``path``, in a deterministic order."""
+    def _build(self, path: Path) -> list[Example | None]:
+        """All examples of the data at ``path``, in a deterministic order (None for one :meth:`_example` excluded)."""
 
     def _example(self, example_id: str, context: str, instruction: str, references: list[str],
-                 meta: dict) -> Example:
+                 meta: dict) -> Example | None:
         """An :class:`Example`; references that normalise to nothing (``"."``, ``"the"``) are dropped, as the
-        official SQuAD v2 script drops them (any answer would match one), and an example left with none is a
-        :class:`DataFormatError` naming it."""
+        official SQuAD v2 script drops them (any answer would match one). An example left with none is excluded
+        (None; counted in ``excluded`` and logged), not scored against nothing."""
         scorable = [r for r in references if normalize_answer(r)]
         if not scorable:
-            raise DataFormatError(f"{self.name} example {example_id!r}: no reference answer with any text to score "
-                                  f"against (got {references!r})")
+            self.excluded["no reference answer with text"] += 1
+            logger.warning("%s example %r has no reference answer with any text (%r); excluded", self.name,
+                           example_id, references)
+            return None
         return Example(id=example_id, workload=self.name, context=context, instruction=instruction,
                        references=scorable, split=assign_split(self.name, example_id), meta=meta)
 
@@ -351,7 +356,7 @@ class Workload(ABC):
         if self._examples is None:
             path = self.data_path()
             self.excluded = Counter()
-            built = self._build(path)
+            built = [ex for ex in self._build(path) if ex is not None]  # None: excluded by _example
             if not built:
                 raise DataFormatError(f"{path}: no {self.name} examples in it (excluded: {dict(self.excluded) or 'none'})")
             seen: set[str] = set()
@@ -430,7 +435,7 @@ class HotpotQA(Workload):
     data_patterns = ("hotpot_dev_distractor_v1*.json", "hotpot_*distractor*.json*")
     expected_file = "hotpotqa/hotpot_dev_distractor_v1.first500.json"
 
-    def _build(self, path: Path) -> list[Example]:
+    def _build(self, path: Path) -> list[Example | None]:
         out = []
         for row in _hotpot_rows(path):
             docs, supporting = _hotpot_docs(row)
@@ -459,7 +464,7 @@ class ToolResults(Workload):
         return (f'Tool call: search(query="{question}")\nTool result:\n'
                 + json.dumps(results, indent=1, ensure_ascii=False))
 
-    def _build(self, path: Path) -> list[Example]:
+    def _build(self, path: Path) -> list[Example | None]:
         out = []
         for row in _hotpot_rows(path):
             docs, supporting = _hotpot_docs(row)
@@ -494,7 +499,7 @@ class MuSiQue(Workload):
     data_patterns = ("musique_ans*.json", "musique_ans*.jsonl", "musique*.json", "musique*.jsonl")
     expected_file = "musique/musique_ans_train.first100.json"
 
-    def _build(self, path: Path) -> list[Example]:
+    def _build(self, path: Path) -> list[Example | None]:
         rows = _expect_list(_load_json(path), path, "MuSiQue rows")
         out = []
         for i, row in enumerate(rows):
@@ -557,7 +562,7 @@ class SquadLong(Workload):
         super().__init__(*args, **kwargs)
         self.calibration_distractors = calibration_distractors
 
-    def _build(self, path: Path) -> list[Example]:
+    def _build(self, path: Path) -> list[Example | None]:
         obj = _load_json(path)
         _require(obj, ("data",), path, "the top level")
         articles = _expect_list(obj["data"], path, "articles under 'data'")
@@ -739,7 +744,7 @@ class Report(Workload):
             {"title": title, "url": art.get("url"), "sections_kept": titles[:len(kept)],
              "sections_available": len(blocks), "truncated_section": truncated})
 
-    def _build(self, path: Path) -> list[Example]:
+    def _build(self, path: Path) -> list[Example | None]:
         out: list[Example | None] = []
         if path.is_dir():
             for file in sorted(path.glob("*.json")):

