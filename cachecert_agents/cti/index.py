@@ -144,6 +144,16 @@ def _stream_relres_seen_by_layer(receiver: Any, s: int, res: torch.Tensor, cyy: 
     return float(torch.sum(p * (p @ res)) / torch.sum(p * (p @ cyy)))
 
 
+def _index(deviation: float, what: str) -> float:
+    """``-log10`` of a predicted deviation: the index (higher = more transferable). ``ValueError`` naming
+    ``what`` unless the deviation is a finite positive number (NaN/inf or all-zero statistics would otherwise give
+    a NaN or an unbounded, 'perfectly transferable' index)."""
+    if not (math.isfinite(deviation) and deviation > 0):
+        raise ValueError(f"{what} is {deviation!r}, not a finite positive number: the index would be undefined or "
+                         "unbounded (statistics or query moments holding NaN/inf, or all zero: recollect them)")
+    return -math.log10(deviation)
+
+
 def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, rho: float = 1e-2,
                 propagated: dict[int, dict[int, torch.Tensor]] | None = None, gcv: bool = True) -> dict[str, Any]:
     """The index, its per-layer profile, split-layer predictions and the baselines for one pair (see the module
@@ -186,9 +196,7 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
                          "the statistics or query moments hold NaN/inf (recollect them)")
     devs = [t.deviation for t in layers]
     mean_dev = sum(devs) / len(devs)
-    if mean_dev <= 0:
-        raise ValueError("every layer's predicted deviation is 0 (query or key/value moments all zero?): the index "
-                         "would be unbounded, not 'perfectly transferable'")
+    cti = _index(mean_dev, "the mean predicted deviation over layers")
     worst = max(layers, key=lambda t: t.deviation)
     L = geo.num_layers
     splits = {}
@@ -200,33 +208,29 @@ def compute_cti(stats: PairStatistics, queries: QueryStatistics, receiver: Any, 
             relres = _stream_relres_seen_by_layer(receiver, s, res, cyy) if s < L else raw_relres
             first_order = sum(t.deviation if t.layer < s else relres * t.unit_deviation for t in layers) / len(layers)
             frac = sum(t.residual_fraction if t.layer < s else relres for t in layers) / len(layers)
-            splits[s] = {"predicted_deviation": first_order, "cti": -math.log10(max(first_order, 1e-30)),
-                         "cti_first_order": -math.log10(max(first_order, 1e-30)), "stream_relres": relres,
-                         "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac, "propagated": False}
-            if not (math.isfinite(first_order) and first_order > 0):
-                raise ValueError(f"the split-{s} prediction is {first_order!r}: the stream statistics hold NaN/inf "
-                                 "or are all zero (recollect them)")
+            first_cti = _index(first_order, f"the split-{s} prediction")
+            splits[s] = {"predicted_deviation": first_order, "cti": first_cti, "cti_first_order": first_cti,
+                         "stream_relres": relres, "stream_relres_raw": raw_relres, "residual_fraction": 1 - frac,
+                         "propagated": False}
             measured = (propagated or {}).get(s)
             if measured:
                 recomputed = {t.layer: layer_terms(t.layer, measured[t.layer].double(), cyys[t.layer],
                                                    *layer_args[t.layer]) for t in layers if t.layer >= s}
                 pred = sum(t.deviation if t.layer < s else recomputed[t.layer].deviation for t in layers) / len(layers)
-                if not (math.isfinite(pred) and pred > 0):
-                    raise ValueError(f"the propagated split-{s} prediction is {pred!r}: the propagation moments hold "
-                                     "NaN/inf or are all zero (recompute them)")
-                splits[s].update(predicted_deviation=pred, cti=-math.log10(max(pred, 1e-30)), propagated=True,
+                splits[s].update(predicted_deviation=pred, cti=_index(pred, f"the propagated split-{s} prediction"),
+                                 propagated=True,
                                  recomputed_relres=sum(r.residual_fraction for r in recomputed.values())
                                  / len(recomputed),
                                  recomputed_profile=[{"layer": r.layer, "deviation": r.deviation,
                                                       "residual_fraction": r.residual_fraction}
                                                      for r in recomputed.values()])
-    splits[L] = {"predicted_deviation": mean_dev, "cti": -math.log10(max(mean_dev, 1e-30)),
+    splits[L] = {"predicted_deviation": mean_dev, "cti": cti,
                  "residual_fraction": 1 - sum(t.residual_fraction for t in layers) / len(layers)}
     return {
         "sender": stats.header.get("sender"), "receiver": stats.header.get("receiver"),
         "statistics_workload": stats.header.get("workload"), "n_tokens": stats.n_tokens,
         "query_tokens": queries.n_tokens, "rho": rho, "gcv": gcv,
-        "cti": -math.log10(max(mean_dev, 1e-30)), "mean_deviation": mean_dev,
+        "cti": cti, "mean_deviation": mean_dev,
         "worst_layer": worst.layer, "worst_deviation": worst.deviation,
         "profile": [{"layer": t.layer, "deviation": t.deviation, "key_term": t.key_term,
                      "value_term": t.value_term, "residual_fraction": t.residual_fraction,

@@ -119,10 +119,9 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], lev
     keep = (sums_den != 0) | (sums_num != 0)
     if keep.mean() < 1 - alpha:
         return None, None
-    with np.errstate(divide="ignore"):
-        ratios = np.where(sums_den[keep] != 0, sums_num[keep] / np.where(sums_den[keep] != 0, sums_den[keep], 1.0),
-                          np.copysign(np.inf, sums_num[keep]))
-    with np.errstate(invalid="ignore"):  # interpolating between two infinite ratios
+    # x / 0 is +-inf for x != 0 (0 / 0 was dropped above); quantiles may interpolate between two infinities
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = sums_num[keep] / sums_den[keep]
         low, high = float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
     return (low if np.isfinite(low) else None), (high if np.isfinite(high) else None)
 

@@ -322,7 +322,7 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             if "split" not in r or r.get("method") == "random-map"
             or ((scorer is None or scores_are_current(r))
                 and (not require_mapper or r.get("mapper_sha256") == mapper.fingerprint))}
-    others = sum(1 for r in latest_records(kept, [r["id"] for r in kept])
+    others = sum(1 for r in kept  # already the latest record per example and method
                  if "split" in r and r.get("method") != "random-map" and (r["id"], r["method"]) in done
                  and r.get("mapper_sha256") != mapper.fingerprint)
     if others:

@@ -290,7 +290,8 @@ def _assemble(name: str, spec: EmbeddedModelSpec, directory: Path, final: Path, 
 
 def uninstall(name: str) -> None:
     """Remove an installed embedded model (its directory in the user cache). A directory without this library's
-    manifest is refused, not deleted: it may hold something else of the user's."""
+    manifest is removed only when every file in it is one an install makes (an interrupted install's leftovers);
+    otherwise it is refused, not deleted: it may hold something else of the user's."""
     directory = model_dir(name)
     if not directory.exists():
         return
