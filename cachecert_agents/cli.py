@@ -514,22 +514,36 @@ def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
 def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     """Rows from the records already written for a pair and workload (e.g. of a run stopped before its end),
     over the first ``--n`` evaluation examples: each method's row covers the examples it has records for. Nothing
-    is run and no model is loaded."""
+    is run. The two models are loaded (not run) to check each record's settings, as a resumed `eval transfer`
+    does: a record made with other weights, data or generation settings is left out. ``--no-settings-check``
+    loads no model and takes every latest record as it is (a warning says so)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.transfer_eval import load_records, records_path, summarise
+    from cachecert_agents.eval.transfer_eval import load_records, record_settings, records_path, summarise
     from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.models.handle import ModelHandle
 
     _read_results(args.summary, "--summary")
     if args.pair == ("all", "all") or args.workload == "all":
         raise CacheCertError("eval summarise takes one --pair SENDER:RECEIVER and one --workload")
     sender, receiver = args.pair
     workload = get_workload(args.workload, data=args.data)
-    ids = [e.id for e in workload.examples("evaluation")[:args.n]]
+    examples = workload.examples("evaluation")[:args.n]
+    ids = [e.id for e in examples]
     path = records_path(Path(args.results_dir), sender, receiver, workload.name)
     if not path.exists():
         raise CacheCertError(f"no records at {path}; run `cachecert eval transfer` first")
-    rows = summarise(*load_records(Path(args.results_dir), sender, receiver, workload.name, ids))
+    settings = full_settings = None
+    if args.no_settings_check:
+        logger.warning("--no-settings-check: records are not checked against the current models and data; a "
+                       "record made with other weights or data counts as it is")
+    else:
+        s_model, r_model = (ModelHandle.load(name, device="cpu") for name in (sender, receiver))
+        settings = {ex.id: record_settings(workload, ex, s_model, r_model) for ex in examples}
+        full_settings = {ex.id: record_settings(workload, ex, r_model) for ex in examples}
+        del s_model, r_model
+    rows = summarise(*load_records(Path(args.results_dir), sender, receiver, workload.name, ids, settings,
+                                   full_settings))
     _emit(_finish_transfer_rows(rows, workload, args.n_calibration, args.summary, args.json), args.json)
     return 0
 
@@ -1178,6 +1192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts)")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge the rows into this file")
+    p.add_argument("--no-settings-check", action="store_true",
+                   help="load no model: take every latest record as it is, without checking that it was made with "
+                        "the current weights, data and generation settings")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_summarise)
 

@@ -254,3 +254,29 @@ def test_recompute_controls_summary_never_pools_two_references():
     assert by[("ridge-kv+r20", "pruned-context@20")]["cells"] == 2
     assert by[("ridge-kv+r20", "pruned-context@20")]["reference_agrees_more"] == 2
     assert by[("ridge-kv+r35", "pruned-context@20")]["reference_agrees_less"] == 1
+
+
+def test_load_records_with_settings_leaves_out_records_of_other_models_or_data(tmp_path):
+    """``eval summarise`` checks settings as a resumed run does: a latest record made with other settings is left
+    out of the rows (not pooled), one that predates settings is taken, and without settings all are taken."""
+    from cachecert_agents.eval.transfer_eval import full_reference_path, load_records, records_path
+
+    def write(path, records):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write(records_path(tmp_path, "s", "r", "w"), [
+        {"id": "a", "method": "ridge-kv", "settings": "new"},
+        {"id": "b", "method": "ridge-kv", "settings": "old"},
+        {"id": "c", "method": "ridge-kv"},  # written before records carried settings
+        {"id": "a", "method": "ridge-kv+r20", "settings": "new"},
+        {"id": "a", "method": "ridge-kv+r20", "settings": "old"}])  # the latest decides
+    write(full_reference_path(tmp_path, "r", "w"), [{"id": "a", "settings": "full-new"},
+                                                    {"id": "b", "settings": "full-old"}])
+    ids = ["a", "b", "c"]
+    records, full = load_records(tmp_path, "s", "r", "w", ids, {"a": "new", "b": "new", "c": "new"},
+                                 {"a": "full-new", "b": "full-new", "c": "full-new"})
+    assert sorted((r["id"], r["method"]) for r in records) == [("a", "ridge-kv"), ("c", "ridge-kv")]
+    assert [r["id"] for r in full] == ["a"]
+    records, full = load_records(tmp_path, "s", "r", "w", ids)
+    assert len(records) == 4 and len(full) == 2

@@ -268,12 +268,25 @@ def current_records(records: list[dict], settings: dict[str, str],
     return kept, len(latest) - len(kept)
 
 
-def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str]
+def load_records(results_dir: Path, sender: str, receiver: str, workload: str, ids: list[str],
+                 settings: dict[str, str] | None = None, full_settings: dict[str, str] | None = None
                  ) -> tuple[list[dict], list[dict]]:
     """The latest records of a pair (every method) and the receiver's full-prefill records, for the example
-    ``ids`` only: the input of :func:`summarise`."""
-    return (latest_records(read_jsonl(records_path(results_dir, sender, receiver, workload)), ids),
-            latest_records(read_jsonl(full_reference_path(results_dir, receiver, workload)), ids))
+    ``ids`` only: the input of :func:`summarise`. With ``settings`` / ``full_settings`` (per example id, from
+    :func:`record_settings`), a latest record made with other models, data or settings is left out (with a
+    warning), as :func:`current_records` decides; without them every latest record is taken as it is."""
+    path, full_path = records_path(results_dir, sender, receiver, workload), full_reference_path(
+        results_dir, receiver, workload)
+    out = []
+    for file, expected in ((path, settings), (full_path, full_settings)):
+        records = read_jsonl(file)
+        if expected is not None:
+            records, stale = current_records(records, expected)
+            if stale:
+                logger.warning("%s: %d latest record(s) were made with other weights, data or settings; left out",
+                               file, stale)
+        out.append(latest_records(records, ids))
+    return out[0], out[1]
 
 
 def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Workload, mapper: RidgeMapper,
@@ -445,7 +458,8 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
                 t0 = time.perf_counter()
                 index = select_chunks(lexical_relevance(r_prompt.context_ids, r_prompt.suffix_ids), pct / 100)
                 answer_on_subset(m, r_prompt.context_ids.reshape(-1)[index], time.perf_counter() - t0)
-    return load_records(results_dir, sender.name, receiver.name, workload.name, [ex.id for ex in examples])
+    return load_records(results_dir, sender.name, receiver.name, workload.name, [ex.id for ex in examples],
+                        settings, full_settings)
 
 
 def latest_records(records: list[dict], ids: list[str]) -> list[dict]:
