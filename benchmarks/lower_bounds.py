@@ -67,8 +67,11 @@ def main() -> int:
             print(proc.stderr[-4000:], file=sys.stderr)
             return proc.returncode
     freeze = run([py, "-m", "pip", "freeze"]).stdout.splitlines()
-    wanted = {p.split("==")[0].lower() for p in pins} | {"torch"}
-    result["installed"] = sorted(line for line in freeze if line.split("==")[0].lower() in wanted)
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    wanted = {norm(p.split("==")[0]) for p in pins} | {"torch"}
+    result["installed"] = sorted(line for line in freeze if norm(line.split("==")[0]) in wanted)
     proc = subprocess.run([py, "-m", "pytest", *shlex.split(args.pytest_args)], cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]

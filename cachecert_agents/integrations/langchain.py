@@ -72,6 +72,15 @@ class CacheCertChatModel(BaseChatModel):
         return ChatResult(generations=[ChatGeneration(message=message)])
 
 
+def _system_message(request: ModelRequest) -> SystemMessage | None:
+    """The request's system message: ``system_message`` (later langchain 1.x), else the ``system_prompt`` string
+    that langchain 1.0 carries instead."""
+    if hasattr(request, "system_message"):
+        return request.system_message
+    prompt = getattr(request, "system_prompt", None)
+    return SystemMessage(content=prompt) if prompt else None
+
+
 class CacheCertMiddleware(AgentMiddleware):
     """LangChain v1 agent middleware: model calls without tools or structured output are answered by
     ``model_name`` through ``runtime``; others go to the agent's model (``handler``)."""
@@ -86,7 +95,7 @@ class CacheCertMiddleware(AgentMiddleware):
         return not request.tools and request.response_format is None
 
     def _answer(self, request: ModelRequest) -> ModelResponse:
-        messages = ([request.system_message] if request.system_message is not None else []) + list(request.messages)
+        messages = ([system] if (system := _system_message(request)) is not None else []) + list(request.messages)
         system, context, instruction = split_messages(messages)
         text, decision = self.runtime.generate(self.model_name, context, instruction, system, node=self.node,
                                                max_new_tokens=self.max_new_tokens)
