@@ -95,7 +95,7 @@ class CacheCertMiddleware(AgentMiddleware):
         return not request.tools and request.response_format is None
 
     def _answer(self, request: ModelRequest) -> ModelResponse:
-        messages = ([system] if (system := _system_message(request)) is not None else []) + list(request.messages)
+        messages = ([prompt] if (prompt := _system_message(request)) is not None else []) + list(request.messages)
         system, context, instruction = split_messages(messages)
         text, decision = self.runtime.generate(self.model_name, context, instruction, system, node=self.node,
                                                max_new_tokens=self.max_new_tokens)
