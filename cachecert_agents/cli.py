@@ -313,12 +313,16 @@ def _parse_agreement(text: str) -> str:
 def _load_pair(args: argparse.Namespace):
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.models.registry import EMBEDDED_MODELS, require_installed
 
     if args.pair == ("all", "all") or args.workload == "all":
         raise CacheCertError("this command takes one --pair SENDER:RECEIVER and one --workload")
     sender_name, receiver_name = args.pair
     workload = get_workload(args.workload, data=args.data)
     workload.examples()  # a missing or malformed data file fails now, before the models load
+    for name in (sender_name, receiver_name):  # an uninstalled embedded model fails before either loads
+        if name in EMBEDDED_MODELS:
+            require_installed(name)
     sender = ModelHandle.load(sender_name, device=args.device)
     receiver = ModelHandle.load(receiver_name, device=args.device)
     return sender, receiver, workload
@@ -751,6 +755,10 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     labelled, screen_split = labelled_pool()
     if labelled is None or len(labelled) < args.n:
         have = 0 if labelled is None else len(labelled)
+        if args.no_run and not js.exists():
+            unknown = (f" (--workload {args.workload!r} is none of the built-in {', '.join(WORKLOADS)})"
+                       if args.workload not in WORKLOADS else "")
+            raise CacheCertError(f"no mapper at {stem}{unknown}; run `cachecert calibrate` first")
         if args.no_run:
             raise CacheCertError(f"{have} requests for {sender_name}->{receiver_name} {args.workload} {key} in "
                                  f"{results_dir} are labelled with the mapper at {stem}; --n asks for {args.n}. "
@@ -1069,7 +1077,7 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
                    help="a directed pair; `eval transfer` also takes 'all' (the 12 embedded pairs)")
     p.add_argument("--workload", required=True,
                    help="hotpotqa, musique, squad-long, report, tool-results (`eval transfer`: also 'all')")
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
     p.add_argument("--splits", type=_split_spec, default="0.25,0.5,L",
                    help="split layers: ints, fractions, or L (pure KV)")
 
@@ -1083,9 +1091,10 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--alpha", type=_probability, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--n-mapper", type=_positive_int, default=10, help="calibration articles for the mapper")
-    p.add_argument("--audit-probability", type=_unit_interval, default=0.5)
+    p.add_argument("--audit-probability", type=_unit_interval, default=0.5,
+                   help="share of served transfers checked against a full prefill in the background")
     p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1113,15 +1122,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, action="append",
                    help="embedded model name, local directory or Hugging Face id (repeat for several)")
     p.add_argument("--out", help="also write the results, with this command, to a JSON file")
-    p.add_argument("--context-tokens", type=_positive_int, default=640)
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--context-tokens", type=_positive_int, default=640, help="length of the test context")
+    p.add_argument("--tolerance", type=float, default=1e-3,
+                   help="largest |logit difference| accepted after the cache round trip")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_kv_check)
 
     p = sub.add_parser("calibrate", help="collect pair statistics on a workload's calibration split, fit mappers")
     _add_pair_args(p)
-    p.add_argument("--n-contexts", type=_positive_int, default=32)
+    p.add_argument("--n-calibration", "--n-contexts", dest="n_contexts", type=_positive_int, default=32,
+                   help="calibration contexts the mapper is fitted on (+4 held out for its R^2)")
     p.add_argument("--hidden-width", type=_positive_int, default=None, metavar="W",
                    help="sender layers read by the residual-stream maps of split transfers (default 3); "
                         "methods are then named split@K+wW")
@@ -1129,11 +1140,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="anchored mapper: the receiver computes its layers below A itself and the maps read its "
                         "stream at A too (splits must exceed A; methods are then named ...+aA)")
     p.add_argument("--out", help="directory for the statistics and mapper (default: user cache)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_calibrate)
 
-    ev = sub.add_parser("eval", help="experiments: eval transfer")
+    ev = sub.add_parser("eval", help="experiments: transfer, summarise, report, diagnose, cert")
     esub = ev.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("transfer", help="full prefill vs transfer on the same examples, with controls")
     _add_pair_args(p)
@@ -1154,7 +1165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also evaluate the pure KV transfer (L, when among --splits; else every split) repaired by "
                         "query-aware selective recompute of P percent of the context tokens (methods ...+rP)")
     p.add_argument("--recompute-splits", default=None, metavar="SPLITS",
-                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L)")
+                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L when among "
+                        "--splits, else every split)")
     p.add_argument("--results-dir", default="docs/results/transfer", help="per-example JSONL (resumable)")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge summary rows into this file")
     p.add_argument("--no-scores", action="store_true", help="skip the risk scores (labels for certificates)")
@@ -1168,7 +1180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--position-controls", action="store_true",
                    help="with --recompute P: also the pruned-positions@P control (the pruned-context@P tokens "
                         "prefilled at their original positions)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_transfer)
 
@@ -1180,14 +1192,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "aside). Default: the cached mapper's, else 32")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer_diagnostics.json")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_diagnose)
 
     p = esub.add_parser("summarise", help="summary rows from the records already written (e.g. a stopped run)")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
     p.add_argument("--n", type=_positive_int, default=100, help="the first N evaluation examples")
     p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts)")
     p.add_argument("--results-dir", default="docs/results/transfer")
@@ -1211,7 +1223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="all", help="one or several (comma-separated), or 'all'")
     p.add_argument("--alpha", type=_probabilities, default="0.05,0.1,0.2", help="risk budgets, comma-separated")
     p.add_argument("--delta", type=_probability, default=0.1, help="LTT's delta (rows for CRC are always made)")
-    p.add_argument("--splits", type=_positive_int, default=500, help="random calibration/test splits")
+    p.add_argument("--resamples", "--splits", dest="splits", type=_positive_int, default=500,
+                   help="random calibration/test splits of the labelled requests (--splits: the older name; "
+                        "elsewhere --splits means split layers)")
     p.add_argument("--min-n", type=_positive_int, default=40, help="skip methods with fewer labelled requests")
     p.add_argument("--results-dir", default="docs/results/transfer", help="labelled requests (eval transfer JSONL)")
     p.add_argument("--screen", default=None, metavar="METHOD",
@@ -1233,7 +1247,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--retention-workload: for the retention workload)")
     p.add_argument("--workload", default="hotpotqa",
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
+    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
     p.add_argument("--query-contexts", type=_positive_int, default=8,
                    help="calibration contexts for the query statistics (with the mapper's statistics; "
                         "--statistics-contexts takes them from its own pass)")
@@ -1255,15 +1269,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "examples (needs the mapper and both models; the expensive predictor CTI replaces)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_cti)
 
     p = sub.add_parser("certify", help="fit a certificate (CRC, or LTT with --delta) from labelled transfers")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: ../shared/data or $CACHECERT_DATA)")
-    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv, split@K or split@K+wW")
+    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
+    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv, split@K or split@K+wW, each optionally +rP (selective recompute)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--screen", default=None, metavar="METHOD",
                    help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "
@@ -1284,7 +1298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--out", required=True, help="certificate JSON to write")
     p.add_argument("--force", action="store_true", help="replace an existing certificate file")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_certify)
 
@@ -1303,10 +1317,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the pure KV transfer (as eval transfer) repaired by selective recompute of P "
                         "percent (methods ...+rP)")
     p.add_argument("--recompute-splits", default=None, metavar="SPLITS",
-                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L)")
+                   help="which splits --recompute repairs: ints, fractions, L, or 'all' (default: L when among "
+                        "--splits, else every split)")
     p.add_argument("--repeats", type=_positive_int, default=3)
     p.add_argument("--out", default="docs/results/transfer_cost.json", help="merge rows into this file")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench_transfer_cost)
 
@@ -1319,7 +1334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calibration", type=_positive_int, default=20, help="calibration contexts of the mapper (+4 held out)")
     p.add_argument("--eval-examples", type=_positive_int, default=4, help="evaluation examples timed (then extrapolated)")
     p.add_argument("--out", default="docs/results/cti_cost.json", help="merge the row into this file")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench_cti_cost)
 
@@ -1338,7 +1353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/results/agents.json")
     p.set_defaults(func=_cmd_bench_agents)
 
-    audit = sub.add_parser("audit", help="audit logs: audit report")
+    audit = sub.add_parser("audit", help="audit logs: report (silent-failure rates)")
     asub = audit.add_subparsers(dest="audit_command", required=True)
     p = asub.add_parser("report", help="silent-failure rate per pair and node, with confidence intervals")
     p.add_argument("log", help="an audit log (JSONL)")
