@@ -289,6 +289,13 @@ def _split_spec(text: str) -> str:
     return text
 
 
+def _one_split_spec(text: str) -> str:
+    """One split layer, fraction or L (argparse type): a comma list is a usage error, not its first value."""
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one split (an integer, a fraction such as 0.5, or L)")
+    return _split_spec(text)
+
+
 def _parse_percentages(text: str) -> tuple[int, ...]:
     """'20,35' -> (20, 35): integer percentages in 1..100 (argparse type; a bad value is a usage error)."""
     try:
@@ -1087,10 +1094,11 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--data", help="FreshWiki folder (default: the sample under examples/, else ../shared/data)")
     p.add_argument("--planner", default="gemma3-270m", help="model of the planner and reviewer nodes")
     p.add_argument("--writer", default="smollm2-135m", help="model of the writer node (the transfer receiver)")
-    p.add_argument("--split", default="L", type=_split_spec, help="transfer method of the route: split layer, fraction, or L")
+    p.add_argument("--split", default="L", type=_one_split_spec, help="transfer method of the route: split layer, fraction, or L")
     p.add_argument("--alpha", type=_probability, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
-    p.add_argument("--n-mapper", type=_positive_int, default=10, help="calibration articles for the mapper")
+    p.add_argument("--n-calibration", "--n-mapper", dest="n_mapper", type=_positive_int, default=10,
+                   help="calibration articles for the mapper")
     p.add_argument("--audit-probability", type=_unit_interval, default=0.5,
                    help="share of served transfers checked against a full prefill in the background")
     p.add_argument("--labels-dir", help="where the route's labelled requests go (default: $CACHECERT_HOME/labels)")

@@ -280,3 +280,22 @@ def test_load_records_with_settings_leaves_out_records_of_other_models_or_data(t
     assert [r["id"] for r in full] == ["a"]
     records, full = load_records(tmp_path, "s", "r", "w", ids)
     assert len(records) == 4 and len(full) == 2
+
+
+def test_demo_refuses_a_list_of_splits(capsys):
+    """``--split`` names the route's one method: a comma list is a usage error, not silently its first value."""
+    from cachecert_agents.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--split", "0.5,L"])
+    assert exc.value.code == 2 and "give one split" in capsys.readouterr().err
+
+
+def test_certify_no_run_without_a_mapper_says_so(cache_home, tmp_path, capsys):
+    """With no mapper, ``certify --no-run`` names the missing mapper (and an unknown workload), not a count of 0."""
+    from cachecert_agents.cli import main
+
+    assert main(["certify", "--pair", "smollm2-135m:gemma3-270m", "--workload", "hotpotq", "--alpha", "0.1",
+                 "--no-run", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no mapper at" in err and "'hotpotq' is none of the built-in" in err
