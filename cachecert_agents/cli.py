@@ -278,6 +278,10 @@ def _positive_ints(text: str) -> str:
     return text
 
 
+_DATA_HELP = ("data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current "
+              "directory or the package)")
+
+
 def _split_spec(text: str) -> str:
     """Checks the form of a --splits value before any model loads (argparse type); :func:`_parse_splits` resolves
     it against the receiver's depth (here any depth is allowed)."""
@@ -595,6 +599,8 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
 
+    if args.pair == ("all", "all"):  # --pair all: the same as --all, as in eval transfer and eval cert
+        args.all, args.pair = True, None
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
     earlier = _read_results(args.out, "--out", dict)
     if earlier is not None and not isinstance(earlier.get("pairs"), list):
@@ -603,8 +609,6 @@ def _cmd_cti(args: argparse.Namespace) -> int:
     if (args.all or args.out) and _read_results(args.transfer, "--transfer") is None:
         logger.warning("no transfer results at --transfer %s: the index is not correlated with retention",
                        args.transfer)
-    if args.pair == ("all", "all"):
-        raise CacheCertError("cti takes --all for every pair, or one --pair SENDER:RECEIVER")
     if args.retention_workload and len(workloads) > 1:
         raise CacheCertError("--retention-workload takes one --workload (the index's calibration text)")
     if args.retention_workload and earlier is not None:
@@ -1084,7 +1088,7 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
                    help="a directed pair; `eval transfer` also takes 'all' (the 12 embedded pairs)")
     p.add_argument("--workload", required=True,
                    help="hotpotqa, musique, squad-long, report, tool-results (`eval transfer`: also 'all')")
-    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
+    p.add_argument("--data", help=_DATA_HELP)
     p.add_argument("--splits", type=_split_spec, default="0.25,0.5,L",
                    help="split layers: ints, fractions, or L (pure KV)")
 
@@ -1094,7 +1098,8 @@ def _add_report_args(p: argparse.ArgumentParser, sets: int) -> None:
     p.add_argument("--data", help="FreshWiki folder (default: the sample under examples/, else ../shared/data)")
     p.add_argument("--planner", default="gemma3-270m", help="model of the planner and reviewer nodes")
     p.add_argument("--writer", default="smollm2-135m", help="model of the writer node (the transfer receiver)")
-    p.add_argument("--split", default="L", type=_one_split_spec, help="transfer method of the route: split layer, fraction, or L")
+    p.add_argument("--split", default="L", type=_one_split_spec,
+                   help="transfer method of the route: split layer, fraction, or L")
     p.add_argument("--alpha", type=_probability, default=0.2, help="certificate risk budget (CRC)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--n-calibration", "--n-mapper", dest="n_mapper", type=_positive_int, default=10,
@@ -1207,7 +1212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = esub.add_parser("summarise", help="summary rows from the records already written (e.g. a stopped run)")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
+    p.add_argument("--data", help=_DATA_HELP)
     p.add_argument("--n", type=_positive_int, default=100, help="the first N evaluation examples")
     p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts)")
     p.add_argument("--results-dir", default="docs/results/transfer")
@@ -1251,11 +1256,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cti", help="Cache Transferability Index of a pair (or --all) from its statistics")
     p.add_argument("--pair", type=_parse_pair, metavar="SENDER:RECEIVER")
     p.add_argument("--all", action="store_true",
-                   help="every pair with a mapper for the workload (with --statistics-contexts and "
-                        "--retention-workload: for the retention workload)")
+                   help="(or --pair all) every pair with a mapper for the workload (with --statistics-contexts "
+                        "and --retention-workload: for the retention workload)")
     p.add_argument("--workload", default="hotpotqa",
                    help="whose calibration statistics to use; several, comma-separated, pool pair x workload")
-    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
+    p.add_argument("--data", help=_DATA_HELP)
     p.add_argument("--query-contexts", type=_positive_int, default=8,
                    help="calibration contexts for the query statistics (with the mapper's statistics; "
                         "--statistics-contexts takes them from its own pass)")
@@ -1284,8 +1289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("certify", help="fit a certificate (CRC, or LTT with --delta) from labelled transfers")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")
     p.add_argument("--workload", required=True)
-    p.add_argument("--data", help="data file or folder (default: $CACHECERT_DATA, else a shared/data folder above the current directory or the package)")
-    p.add_argument("--method", default="ridge-kv", help="transfer method: ridge-kv, split@K or split@K+wW, each optionally +rP (selective recompute)")
+    p.add_argument("--data", help=_DATA_HELP)
+    p.add_argument("--method", default="ridge-kv",
+                   help="transfer method: ridge-kv, split@K or split@K+wW, each optionally +rP "
+                        "(selective recompute)")
     p.add_argument("--score", default="geometry", choices=["geometry", "entropy", "margin", "constant"])
     p.add_argument("--screen", default=None, metavar="METHOD",
                    help="two-stage: compute the score on this cheaper transfer (e.g. ridge-kv) first, and run "

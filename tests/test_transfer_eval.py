@@ -299,3 +299,12 @@ def test_certify_no_run_without_a_mapper_says_so(cache_home, tmp_path, capsys):
                  "--no-run", "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
     assert "no mapper at" in err and "'hotpotq' is none of the built-in" in err
+
+
+def test_cti_takes_pair_all_as_all(cache_home, tmp_path, capsys):
+    """``cti --pair all`` means ``--all`` (as in eval transfer and eval cert): with no mappers, it says so."""
+    from cachecert_agents.cli import main
+
+    code = main(["cti", "--pair", "all", "--out", str(tmp_path / "cti.json"),
+                 "--transfer", str(tmp_path / "missing.json")])
+    assert code == 2 and "--all: no pair has a mapper for hotpotqa" in capsys.readouterr().err
