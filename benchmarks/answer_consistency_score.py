@@ -3,8 +3,10 @@
 A repaired transfer (``ridge-kv+r20``) is unsafe when its answer differs from the receiver's own full-prefill
 answer. A *consistency check* asks a second, independent cheap answer to the same request and compares the two:
 ``lexical-context@20`` (the receiver prefills the 20% of the context chosen by the question's words, no cache)
-or ``pruned-context@20`` (the 20% chosen on the transferred cache). Both answers are already in every pool's
-records, so the check can be scored without running a model:
+or ``pruned-context@20`` (the 20% chosen on the transferred cache); or two answers that exist before any
+transfer: ``no-context`` (the receiver answers from the question alone) and ``sender`` (the sender answers on its
+own exact cache, which the handoff already holds). All four answers are already in every pool's records, so the
+check can be scored without running a model:
 
 - ``consistency``: 1 when the two answers disagree under the workload's agreement criterion, else 0;
 - ``consistency+entropy``: consistency first, the entropy score within each class (``100 * consistency +
@@ -15,7 +17,9 @@ Each is validated like ``cachecert eval cert`` (CRC at ``--alpha``, ``--splits``
 :func:`cachecert_agents.eval.cert_eval.validate`), on the same labels and prefill times. The check's cost is its
 recorded time (choice plus its prefill: ``transfer_s`` of the control's record) and is paid on every request,
 served or refused. Its decode is not timed in the records and is left out, so the savings of the two
-consistency scores are upper bounds. For ``pruned-context@20`` the recorded time includes a second choice of the
+consistency scores are upper bounds. ``no-context`` and ``sender`` records carry no time of their own at all, so
+those checks are charged nothing (``check_cost_recorded: false``): their savings are upper bounds on what the
+check could buy at no cost, and their AUC is the figure to read. For ``pruned-context@20`` the recorded time includes a second choice of the
 tokens that a deployment would share with the transfer, so its cost is overstated; its AUC is reported as well.
 
     python benchmarks/answer_consistency_score.py --out docs/results/answer_consistency_score.json
@@ -37,7 +41,7 @@ from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.jsonl import read_jsonl
 
 TARGET = "ridge-kv+r20"
-CHECKS = ("lexical-context@20", "pruned-context@20")
+CHECKS = ("lexical-context@20", "pruned-context@20", "no-context", "sender")
 
 
 def crc_row(lab: LabelledRequests, name: str, score: np.ndarray, extra_cost_s: np.ndarray, alpha: float,
@@ -68,14 +72,16 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
         sub = lab.take(keep)
         disagree = np.array([0.0 if agree(records[(i, TARGET)]["answer"], records[(i, check)]["answer"]) else 1.0
                              for i in sub.ids])
-        check_s = np.array([float(records[(i, check)]["transfer_s"]) for i in sub.ids])
+        timed = all("transfer_s" in records[(i, check)] for i in sub.ids)
+        check_s = np.array([float(records[(i, check)].get("transfer_s", 0.0)) for i in sub.ids])
         entropy = sub.scores["entropy"]
         rows.append({
             "sender": sender, "receiver": receiver, "workload": workload, "method": TARGET, "check": check,
             "n": len(sub), "unsafe_rate": float(sub.unsafe.mean()), "consistent_rate": float(1 - disagree.mean()),
             "unsafe_rate_when_consistent": (float(sub.unsafe[disagree == 0].mean()) if (disagree == 0).any()
                                             else None),
-            "check_cost_over_prefill_median": float(np.median(check_s / sub.prefill_s)),
+            "check_cost_recorded": timed,
+            "check_cost_over_prefill_median": float(np.median(check_s / sub.prefill_s)) if timed else None,
             "scores": {name: crc_row(sub, name, score, cost, alpha, splits) for name, score, cost in (
                 ("entropy", entropy, np.zeros_like(check_s)), ("consistency", disagree, check_s),
                 ("consistency+entropy", 100 * disagree + entropy, check_s))}})
@@ -91,6 +97,8 @@ def main() -> None:
         mine = [r for r in rows if r["check"] == check]
         summary[check] = {
             "pools": len(mine),
+            "median_auc": {s: float(np.median([r["scores"][s]["auc"] for r in mine if r["scores"][s]["auc"] is not None]))
+                           if mine else None for s in ("entropy", "consistency", "consistency+entropy")},
             "auc_above_entropy": sum((r["scores"]["consistency+entropy"]["auc"] or 0)
                                      > (r["scores"]["entropy"]["auc"] or 0) for r in mine),
             "saving_above_entropy": sum(r["scores"]["consistency+entropy"]["prefill_saved_guarded"]
