@@ -17,10 +17,11 @@ Each is validated like ``cachecert eval cert`` (CRC at ``--alpha``, ``--splits``
 :func:`cachecert_agents.eval.cert_eval.validate`), on the same labels and prefill times. The check's cost is its
 recorded time (choice plus its prefill: ``transfer_s`` of the control's record) and is paid on every request,
 served or refused. Its decode is not timed in the records and is left out, so the savings of the two
-consistency scores are upper bounds. ``no-context`` and ``sender`` records carry no time of their own at all, so
-those checks are charged nothing (``check_cost_recorded: false``): their savings are upper bounds on what the
-check could buy at no cost, and their AUC is the figure to read. For ``pruned-context@20`` the recorded time includes a second choice of the
-tokens that a deployment would share with the transfer, so its cost is overstated; its AUC is reported as well.
+consistency scores are upper bounds. ``no-context`` and ``sender`` records carry no time of their own at all,
+so those checks are charged nothing (``check_cost_recorded: false``): their savings are upper bounds on what the
+check could buy at no cost, and their AUC is the figure to read. For ``pruned-context@20`` the recorded time
+includes a second choice of the tokens that a deployment would share with the transfer, so its cost is
+overstated; its AUC is reported as well.
 
     python benchmarks/answer_consistency_score.py --out docs/results/answer_consistency_score.json
 """
@@ -72,8 +73,8 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
         sub = lab.take(keep)
         disagree = np.array([0.0 if agree(records[(i, TARGET)]["answer"], records[(i, check)]["answer"]) else 1.0
                              for i in sub.ids])
-        timed = all("transfer_s" in records[(i, check)] for i in sub.ids)
-        check_s = np.array([float(records[(i, check)].get("transfer_s", 0.0)) for i in sub.ids])
+        timed = all("transfer_s" in records[(i, check)] for i in sub.ids)  # else charged nothing (see above)
+        check_s = np.array([float(records[(i, check)]["transfer_s"]) if timed else 0.0 for i in sub.ids])
         entropy = sub.scores["entropy"]
         rows.append({
             "sender": sender, "receiver": receiver, "workload": workload, "method": TARGET, "check": check,
@@ -88,6 +89,12 @@ def pool_rows(results_dir: Path, sender: str, receiver: str, workload: str, alph
     return rows
 
 
+def _median(values: list[float | None]) -> float | None:
+    """Median of the values that are not None (None when there are none)."""
+    known = [v for v in values if v is not None]
+    return float(np.median(known)) if known else None
+
+
 def main() -> None:
     args = parse_pool_args(__doc__, "skip pools with fewer labelled requests holding the check")
     rows = [row for sender, receiver, workload in recorded_pools(args.results)
@@ -97,8 +104,8 @@ def main() -> None:
         mine = [r for r in rows if r["check"] == check]
         summary[check] = {
             "pools": len(mine),
-            "median_auc": {s: float(np.median([r["scores"][s]["auc"] for r in mine if r["scores"][s]["auc"] is not None]))
-                           if mine else None for s in ("entropy", "consistency", "consistency+entropy")},
+            "median_auc": {s: _median([r["scores"][s]["auc"] for r in mine])
+                           for s in ("entropy", "consistency", "consistency+entropy")},
             "auc_above_entropy": sum((r["scores"]["consistency+entropy"]["auc"] or 0)
                                      > (r["scores"]["entropy"]["auc"] or 0) for r in mine),
             "saving_above_entropy": sum(r["scores"]["consistency+entropy"]["prefill_saved_guarded"]
