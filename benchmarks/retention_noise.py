@@ -12,6 +12,10 @@ spans about +-0.3. A perfect predictor of the *true* retention would still corre
   step ``2 r / (1 + r)`` estimates the full-length reliability ``R``, and ``sqrt(R)`` the highest correlation a
   predictor of the true retention could expect against the measured one (the attenuation bound of classical test
   theory, Spearman 1904; exact for Pearson correlation under additive noise, an approximation for ranks).
+- ``questions_multiplier_for_ceiling``: how many times more questions per cell the same Spearman-Brown formula
+  says the table needs before its ceiling reaches ``--ceiling`` (reliability ``c^2``):
+  ``k = c^2 (1 - R) / (R (1 - c^2))``; ``questions_needed_per_group`` is ``ceil(k n)`` for each cell of ``n``
+  questions (a workload with fewer evaluation examples than that cannot get there by more questions alone).
 
 Pairs are resampled independently of each other (receivers' full-prefill references shared between pairs are not
 tied together).
@@ -61,14 +65,16 @@ def _retention(transfer: np.ndarray, full: np.ndarray, idx: np.ndarray) -> np.nd
     return np.where(den > 0, np.nansum(t, 1) / np.where(den > 0, den, 1), np.nan)
 
 
-def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], target: str, resamples: int, seed: int) -> dict:
-    """The bootstrap and split-half figures of the module docstring over the groups ``data``."""
+def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], target: str, resamples: int, seed: int,
+           ceiling: float) -> dict:
+    """The bootstrap, split-half and questions-needed figures of the module docstring over the groups ``data``."""
     cti = [p["cti"] for pts, _, _ in data for p in pts]
     rng = np.random.default_rng(seed)
     boot, halves = [], []
     for _ in range(resamples):
-        boot.append(spearman(cti, np.concatenate([_retention(t, f, rng.integers(0, f.size, f.size))
-                                                  for _, t, f in data]).tolist()))
+        resampled = np.concatenate([_retention(t, f, rng.integers(0, f.size, f.size)) for _, t, f in data])
+        has = ~np.isnan(resampled)  # a resample may draw none of a method's examples, or only zero references
+        boot.append(spearman(np.asarray(cti)[has].tolist(), resampled[has].tolist()))
         a, b = [], []
         for _, t, f in data:
             perm = rng.permutation(f.size)
@@ -89,7 +95,21 @@ def _noise(data: list[tuple[list[dict], np.ndarray, np.ndarray]], target: str, r
     return {"n_points": len(cti), "n_groups": len(data),
             "spearman_cti_measured": spearman(cti, [p[target] for pts, _, _ in data for p in pts]),
             "spearman_cti_bootstrap": summary(boot), "split_half": summary(halves),
-            "reliability_spearman_brown": r_full, "attenuation_ceiling": float(np.sqrt(max(r_full, 0.0)))}
+            "reliability_spearman_brown": r_full, "attenuation_ceiling": float(np.sqrt(max(r_full, 0.0))),
+            **_questions_needed(data, r_full, ceiling)}
+
+
+def _questions_needed(data: list[tuple[list[dict], np.ndarray, np.ndarray]], reliability: float,
+                      ceiling: float) -> dict:
+    """Spearman-Brown's answer to "how many more questions": the multiplier ``k`` of the module docstring and
+    ``ceil(k n)`` per group (``None`` when the table's reliability is not positive: no number of questions is
+    predicted to suffice)."""
+    wanted = ceiling ** 2
+    k = wanted * (1 - reliability) / (reliability * (1 - wanted)) if reliability > 0 else None
+    return {"ceiling_wanted": ceiling, "questions_multiplier_for_ceiling": k,
+            "questions_needed_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}":
+                                           (int(np.ceil(k * f.size)) if k is not None else None)
+                                           for pts, _, f in data}}
 
 
 def main() -> None:
@@ -103,8 +123,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-full-score", type=float, default=0.1,
                     help="also report the pairs whose receiver's full-prefill task score reaches this")
+    ap.add_argument("--ceiling", type=float, default=0.9,
+                    help="the correlation wanted (the issue's 0.9): how many questions would let the table allow it")
     ap.add_argument("--out", default="docs/results/cti_retention_noise.json")
     args = ap.parse_args()
+    if not 0 < args.ceiling < 1:
+        ap.error(f"--ceiling {args.ceiling} must lie in (0, 1)")
     points = json.loads(Path(args.cti).read_text())["results"]["retention"]["points"]
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for p in points:
@@ -128,13 +152,14 @@ def main() -> None:
                                for pts, _, f in data},
         "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": score
                                  for (pts, _, _), score in zip(data, full_scores)},
-        "all_points": _noise(data, args.target, args.resamples, args.seed),
+        "all_points": _noise(data, args.target, args.resamples, args.seed, args.ceiling),
         f"receivers_scoring_at_least_{args.min_full_score}": _noise(
             [g for g, score in zip(data, full_scores) if score >= args.min_full_score], args.target, args.resamples,
-            args.seed),
+            args.seed, args.ceiling),
     }
     write_json_atomic(Path(args.out), result)
-    print(json.dumps({k: v for k, v in result.items() if isinstance(v, dict) and "n_points" in v}, indent=1))
+    print(json.dumps({k: {f: x for f, x in v.items() if f != "questions_needed_per_group"}
+                      for k, v in result.items() if isinstance(v, dict) and "n_points" in v}, indent=1))
 
 
 if __name__ == "__main__":
