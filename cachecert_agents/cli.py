@@ -534,7 +534,8 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     loads no model and takes every latest record as it is (a warning says so)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.transfer_eval import load_records, record_settings, records_path, summarise
+    from cachecert_agents.eval.transfer_eval import (load_records, mapper_stem, record_settings,
+                                                    recorded_mapper_contexts, records_path, summarise)
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
 
@@ -557,9 +558,15 @@ def _cmd_eval_summarise(args: argparse.Namespace) -> int:
         settings = {ex.id: record_settings(workload, ex, s_model, r_model) for ex in examples}
         full_settings = {ex.id: record_settings(workload, ex, r_model) for ex in examples}
         del s_model, r_model
-    rows = summarise(*load_records(Path(args.results_dir), sender, receiver, workload.name, ids, settings,
-                                   full_settings))
-    _emit(_finish_transfer_rows(rows, workload, args.n_calibration, args.summary, args.json), args.json)
+    records, full = load_records(Path(args.results_dir), sender, receiver, workload.name, ids, settings,
+                                 full_settings)
+    n_calibration = args.n_calibration
+    if n_calibration is None:
+        n_calibration = recorded_mapper_contexts(records, mapper_stem(sender, receiver, workload.name))
+        if n_calibration is not None:
+            logger.info("n_calibration_contexts=%d from the cached mapper the records name", n_calibration)
+    _emit(_finish_transfer_rows(summarise(records, full), workload, n_calibration, args.summary, args.json),
+          args.json)
     return 0
 
 
@@ -1214,7 +1221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", required=True)
     p.add_argument("--data", help=_DATA_HELP)
     p.add_argument("--n", type=_positive_int, default=100, help="the first N evaluation examples")
-    p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts)")
+    p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts; default: read from the "
+                   "cached mapper when every record names it)")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge the rows into this file")
     p.add_argument("--no-settings-check", action="store_true",

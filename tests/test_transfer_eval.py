@@ -308,3 +308,16 @@ def test_cti_takes_pair_all_as_all(cache_home, tmp_path, capsys):
     code = main(["cti", "--pair", "all", "--out", str(tmp_path / "cti.json"),
                  "--transfer", str(tmp_path / "missing.json")])
     assert code == 2 and "--all: no pair has a mapper for hotpotqa" in capsys.readouterr().err
+
+
+def test_recorded_mapper_contexts_reads_the_cached_header_only_when_the_records_name_it(tmp_path):
+    from cachecert_agents.eval.transfer_eval import recorded_mapper_contexts
+
+    stem = tmp_path / "s__r__w"
+    (tmp_path / "s__r__w.json").write_text(json.dumps({"tensors_sha256": "abc", "n_calibration_contexts": 20}))
+    named = [_rec(0, "ridge-kv", 0.5, True, mapper_sha256="abc"), _rec(0, "no-context", 0.1, False)]
+    assert recorded_mapper_contexts(named, stem) == 20
+    # a record made with another mapper, no record naming any, or no mapper saved: nothing is claimed
+    assert recorded_mapper_contexts(named + [_rec(1, "ridge-kv", 0.5, True, mapper_sha256="def")], stem) is None
+    assert recorded_mapper_contexts([_rec(0, "no-context", 0.1, False)], stem) is None
+    assert recorded_mapper_contexts(named, tmp_path / "missing") is None

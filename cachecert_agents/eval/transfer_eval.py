@@ -27,6 +27,7 @@ resumable. :func:`summarise` turns the records into the rows of ``docs/results/t
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 import statistics
@@ -118,6 +119,18 @@ def mapper_stem(sender: str, receiver: str, workload: str, out_dir: Path | None 
 
 DEFAULT_CALIBRATION_CONTEXTS = 32
 """Calibration contexts of a mapper :func:`build_mapper` fits when none is cached and no size is asked for."""
+
+
+def recorded_mapper_contexts(records: list[dict], stem: str | Path) -> int | None:
+    """The calibration contexts (``n_calibration_contexts``) of the saved mapper at ``stem`` when every record that
+    names a mapper (``mapper_sha256``) names this one; None when the mapper is not saved there, a record names
+    another, or no record names any. Reads the JSON header only (no tensors)."""
+    header_path = artifact_paths(stem)[1]
+    named = {r["mapper_sha256"] for r in records if r.get("mapper_sha256")}
+    if not named or not header_path.exists():
+        return None
+    header = json.loads(header_path.read_text())
+    return header.get("n_calibration_contexts") if named == {header.get("tensors_sha256")} else None
 
 
 def calibration_fingerprint(workload: Workload, n_contexts: int) -> str:
