@@ -1221,8 +1221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", required=True)
     p.add_argument("--data", help=_DATA_HELP)
     p.add_argument("--n", type=_positive_int, default=100, help="the first N evaluation examples")
-    p.add_argument("--n-calibration", type=_positive_int, default=None, help="recorded in the rows (the mapper's contexts; default: read from the "
-                   "cached mapper when every record names it)")
+    p.add_argument("--n-calibration", type=_positive_int, default=None,
+                   help="recorded in the rows (the mapper's contexts; default: read from the cached mapper when "
+                        "every record names it)")
     p.add_argument("--results-dir", default="docs/results/transfer")
     p.add_argument("--summary", default="docs/results/transfer.json", help="merge the rows into this file")
     p.add_argument("--no-settings-check", action="store_true",
