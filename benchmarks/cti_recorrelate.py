@@ -28,10 +28,10 @@ def _pairs(ref: str) -> list[dict]:
     return results["pairs"] if "pairs" in results else results
 
 
-def _summary(pairs: list[dict], rows: list[dict]) -> dict:
+def _summary(pairs: list[dict], rows: list[dict], target: str) -> dict:
     keys = ("n_points", "spearman_cti", "spearman_residual_fraction", "spearman_r2", "n_points_pure_kv",
             "spearman_cti_pure_kv", "spearman_residual_fraction_pure_kv", "spearman_r2_pure_kv")
-    return {group: {k: c[k] for k in keys} for group, c in correlate(pairs, rows)["correlations"].items()}
+    return {group: {k: c[k] for k in keys} for group, c in correlate(pairs, rows, target)["correlations"].items()}
 
 
 def main() -> None:
@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--before-as-workload", default=None, metavar="W",
                     help="correlate the earlier run's indices with retention on W (a cross-workload run: statistics "
                          "from one workload's text, retention measured on W)")
+    ap.add_argument("--target", choices=("retention", "agreement"), default="retention",
+                    help="what the indices are correlated with: retention (the issue's target) or the agreement "
+                         "rate with the receiver's full-prefill answer")
     args = ap.parse_args()
     rows = json.loads(Path(args.transfer).read_text())["results"]
     comparisons = []
@@ -53,8 +56,9 @@ def main() -> None:
         keys = {(p["sender"], p["receiver"], p["workload"]) for p in before}
         same = [p for p in after if (p["sender"], p["receiver"], p["workload"]) in keys]
         comparisons.append({"before": before_ref, "after": after_ref, "before_gcv": before[0].get("gcv", False),
-                            "after_gcv": after[0].get("gcv", False), "before_corr": _summary(before, rows),
-                            "after_same_pairs": _summary(same, rows), "after_all": _summary(after, rows)})
+                            "after_gcv": after[0].get("gcv", False), "target": args.target, "before_corr": _summary(before, rows, args.target),
+                            "after_same_pairs": _summary(same, rows, args.target),
+                            "after_all": _summary(after, rows, args.target)})
         print(before_ref, "->", after_ref, json.dumps({k: comparisons[-1][k]["pooled"]["spearman_cti"]
                                                         for k in ("before_corr", "after_same_pairs", "after_all")}))
     write_json_atomic(Path(args.out), {"command": "python " + shlex.join(sys.argv),

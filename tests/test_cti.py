@@ -239,6 +239,15 @@ def test_correlate_and_report_with_the_cosine_baseline_and_a_second_workload(tmp
     c = out["correlations"]["pooled"]
     assert c["spearman_cti"] == pytest.approx(1.0) and c["spearman_attention_cosine"] == pytest.approx(0.5)
     assert c["n_points_pure_kv"] == 3 and c["spearman_cti_pure_kv"] == pytest.approx(1.0)
+    # the agreement target ranks the same predictions against agreement, skipping rows that lack it
+    matched = [dict(p, workload="hotpotqa") for p in preds]
+    agreeing = [dict(r, agreement=a) for r, a in zip(rows, (0.6, 0.5, 0.4))]
+    by_agreement = correlate(matched, agreeing, target="agreement")
+    assert by_agreement["target"] == "agreement" and len(by_agreement["points"]) == 3
+    assert by_agreement["correlations"]["pooled"]["spearman_cti"] == pytest.approx(-1.0)
+    assert len(correlate(matched, agreeing[:2] + [rows[2]], target="agreement")["points"]) == 2
+    with pytest.raises(ValueError, match="target"):
+        correlate(preds, rows, target="f1")
     payload = {"command": "cachecert cti", "date": "d", "machine": "m",
                "results": {"pairs": preds, "retention": out, "statistics_workload": "squad-long",
                            "retention_workload": "hotpotqa"}}

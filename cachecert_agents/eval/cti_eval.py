@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -259,12 +259,16 @@ def pair_attention_cosine(sender: ModelHandle, receiver: ModelHandle, workload: 
     return result
 
 
-def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, Any]:
-    """Spearman's rho between predicted transferability and measured retention, per workload and pooled, for
-    the CTI and each baseline; returns the matched points too."""
+def correlate(predictions: list[dict], transfer_rows: list[dict],
+              target: Literal["retention", "agreement"] = "retention") -> dict[str, Any]:
+    """Spearman's rho between predicted transferability and the measured ``target`` (retention, the issue's; or
+    the agreement rate with the receiver's full-prefill answer), per workload and pooled, for the CTI and each
+    baseline; returns the matched points too. Rows without the target are skipped."""
+    if target not in ("retention", "agreement"):
+        raise ValueError(f"target must be 'retention' or 'agreement', not {target!r}")
     points = []
     for row in transfer_rows:
-        if row.get("retention") is None or row["method"] in ("no-context", "sender", "random-map"):
+        if row.get(target) is None or row["method"] in ("no-context", "sender", "random-map"):
             continue
         pred = next((p for p in predictions if p["sender"] == row["sender"] and p["receiver"] == row["receiver"]
                      and p["workload"] == row["workload"]), None)
@@ -283,37 +287,37 @@ def correlate(predictions: list[dict], transfer_rows: list[dict]) -> dict[str, A
             continue
         cosine = (pred["baselines"].get("attention_cosine") or {}).get("predictions", {}).get(split)
         points.append({"sender": row["sender"], "receiver": row["receiver"], "workload": row["workload"],
-                       "method": row["method"], "n": row["n"], "retention": row["retention"],
+                       "method": row["method"], "n": row["n"], "retention": row.get("retention"),
                        "agreement": row.get("agreement"), "cti": sp["cti"],
                        "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
                        "attention_cosine": cosine, "pure_kv": split == max(pred["splits"], key=int)})
-    out: dict[str, Any] = {"points": points, "correlations": {}}
+    out: dict[str, Any] = {"target": target, "points": points, "correlations": {}}
     workloads = sorted({p["workload"] for p in points})
     groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w] for w in workloads}
     for name, pts in groups.items():
         row = {"n_points": len(pts), **{
-            f"spearman_{key}": spearman([p[key] for p in pts], [p["retention"] for p in pts])
+            f"spearman_{key}": spearman([p[key] for p in pts], [p[target] for p in pts])
             for key in ("cti", "residual_fraction", "r2")}}
         # the R^2 baseline has one value per pair (pure KV), so every split of a pair ties on it: compare it with
         # the index on the pure-KV points only, where the two are on equal terms
         pure = [p for p in pts if p["pure_kv"]]
         row["n_points_pure_kv"] = len(pure)
-        row |= {f"spearman_{key}_pure_kv": spearman([p[key] for p in pure], [p["retention"] for p in pure])
+        row |= {f"spearman_{key}_pure_kv": spearman([p[key] for p in pure], [p[target] for p in pure])
                 for key in ("cti", "residual_fraction", "r2")}
         with_cos = [p for p in pts if p["attention_cosine"] is not None]
         if with_cos:  # the expensive baseline, on the points that have it (and CTI on the same points)
             row["n_points_attention_cosine"] = len(with_cos)
             row["spearman_attention_cosine"] = spearman([p["attention_cosine"] for p in with_cos],
-                                                        [p["retention"] for p in with_cos])
+                                                        [p[target] for p in with_cos])
             row["spearman_cti_same_points"] = spearman([p["cti"] for p in with_cos],
-                                                       [p["retention"] for p in with_cos])
+                                                       [p[target] for p in with_cos])
         out["correlations"][name] = row
-    out["split_selection"] = split_selection(points)
+    out["split_selection"] = split_selection(points, target)
     return out
 
 
-def split_selection(points: list[dict]) -> dict[str, Any]:
-    """Whether each predictor ranks one pair's split layers (and pure KV) as measured retention does: per (pair,
+def split_selection(points: list[dict], target: str = "retention") -> dict[str, Any]:
+    """Whether each predictor ranks one pair's split layers (and pure KV) as the measured ``target`` does: per (pair,
     workload) with at least 3 methods, Spearman's rho across its methods, and whether the predictor's best method
     is the measured best. This is the question a user asks when picking a split from statistics alone."""
     groups: dict[tuple[str, str, str], list[dict]] = {}
@@ -323,13 +327,13 @@ def split_selection(points: list[dict]) -> dict[str, Any]:
     for (sender, receiver, workload), pts in sorted(groups.items()):
         if len(pts) < 3:
             continue
-        best = max(pts, key=lambda p: p["retention"])["method"]
+        best = max(pts, key=lambda p: p[target])["method"]
         row: dict[str, Any] = {"sender": sender, "receiver": receiver, "workload": workload, "n_methods": len(pts),
                                "measured_best": best}
         for key in ("cti", "residual_fraction", "attention_cosine"):
             if any(p[key] is None for p in pts):
                 continue
-            row[f"spearman_{key}"] = spearman([p[key] for p in pts], [p["retention"] for p in pts])
+            row[f"spearman_{key}"] = spearman([p[key] for p in pts], [p[target] for p in pts])
             row[f"best_{key}"] = max(pts, key=lambda p: p[key])["method"]
         rows.append(row)
     summary: dict[str, Any] = {"n_groups": len(rows)}
