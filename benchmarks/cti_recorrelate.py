@@ -56,7 +56,8 @@ def main() -> None:
         keys = {(p["sender"], p["receiver"], p["workload"]) for p in before}
         same = [p for p in after if (p["sender"], p["receiver"], p["workload"]) in keys]
         comparisons.append({"before": before_ref, "after": after_ref, "before_gcv": before[0].get("gcv", False),
-                            "after_gcv": after[0].get("gcv", False), "target": args.target, "before_corr": _summary(before, rows, args.target),
+                            "after_gcv": after[0].get("gcv", False), "target": args.target,
+                            "before_corr": _summary(before, rows, args.target),
                             "after_same_pairs": _summary(same, rows, args.target),
                             "after_all": _summary(after, rows, args.target)})
         print(before_ref, "->", after_ref, json.dumps({k: comparisons[-1][k]["pooled"]["spearman_cti"]

@@ -316,9 +316,10 @@ def correlate(predictions: list[dict], transfer_rows: list[dict],
     return out
 
 
-def split_selection(points: list[dict], target: str = "retention") -> dict[str, Any]:
-    """Whether each predictor ranks one pair's split layers (and pure KV) as the measured ``target`` does: per (pair,
-    workload) with at least 3 methods, Spearman's rho across its methods, and whether the predictor's best method
+def split_selection(points: list[dict],
+                    target: Literal["retention", "agreement"] = "retention") -> dict[str, Any]:
+    """Whether each predictor ranks one pair's split layers (and pure KV) as the measured ``target`` does: per
+    (pair, workload) with at least 3 methods, Spearman's rho across its methods, and whether the predictor's best method
     is the measured best. This is the question a user asks when picking a split from statistics alone."""
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for p in points:
