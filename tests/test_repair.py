@@ -218,6 +218,11 @@ def test_evaluation_runs_recompute_methods_and_the_pruned_context_control(tiny_t
     assert {"ridge-kv", "ridge-kv+r30", "ridge-kv+r100", "pruned-context@30", "pruned-context@100",
             "lexical-context@30", "lexical-context@100", "no-context", "sender", "random-map"} == set(by)
     assert by["lexical-context@100"]["answer"] == full[0]["answer"]
+    # the sender's answer comes from the prefill that also gave the transfers' features: as from its whole prompt
+    ex = wl.examples("evaluation")[0]
+    own = sender.generate(sender.format_prompt(ex.context, ex.instruction).input_ids,
+                          max_new_tokens=wl.max_new_tokens, stop_strings=wl.stop_strings)
+    assert by["sender"]["answer"] == own.text
     n = len(receiver.format_prompt(CONTEXT, QUESTION).context_ids)
     assert by["ridge-kv+r100"]["recomputed_tokens"] == n and by["pruned-context@100"]["recomputed_tokens"] == n
     assert by["ridge-kv+r30"]["recomputed_tokens"] == by["pruned-context@30"]["recomputed_tokens"] < n

@@ -49,7 +49,7 @@ from cachecert_agents.models.handle import ModelHandle
 from cachecert_agents.paths import cache_home
 from cachecert_agents.transfer.apply import transfer
 from cachecert_agents.transfer.calibrate import collect_statistics, pair_fingerprints, pair_header
-from cachecert_agents.transfer.features import sender_features
+from cachecert_agents.transfer.features import prefill_with_features, sender_features
 from cachecert_agents.transfer.mappers import RidgeMapper
 from cachecert_agents.transfer.repair import choose_tokens, lexical_relevance, select_chunks
 from cachecert_agents.transfer.statistics import PairStatistics
@@ -401,9 +401,12 @@ def evaluate_transfer(sender: ModelHandle, receiver: ModelHandle, workload: Work
             nc = receiver.format_prompt("", ex.instruction)
             record("no-context", receiver.generate(nc.input_ids, **gen_kw).text)
         s_prompt = sender.format_prompt(ex.context, ex.instruction)
-        if controls and (ex.id, "sender") not in done:
-            record("sender", sender.generate(s_prompt.input_ids, **gen_kw).text)
         feats = None
+        if controls and (ex.id, "sender") not in done:
+            # one sender prefill of prefix + context serves both its own answer and the transfers' features
+            s_cache, feats, _ = prefill_with_features(sender, s_prompt)
+            record("sender", sender.generate(s_prompt.suffix_ids, cache=s_cache, **gen_kw).text)
+            del s_cache
         chosen: dict[int, tuple[torch.Tensor, float]] = {}  # percent -> the pure KV transfer's choice and its time
         for (s, pct), m in zip(variants, transfer_methods):
             if (ex.id, m) in done:
