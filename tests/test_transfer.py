@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -435,6 +436,34 @@ def test_build_mapper_for_an_anchored_split_keeps_what_it_reads_and_evaluates(tw
     # recalibrating (another calibration size) keeps the earlier mapper and statistics aside, never overwrites
     build_mapper(sender, receiver, wl, [2], n_contexts=1, n_heldout=1, out_dir=tmp_path, anchor=1)
     assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny__a1.*.replaced-*"))) == 4
+
+
+def test_build_mapper_resumes_from_statistics_saved_before_a_stop(twins, tmp_path, monkeypatch):
+    """A run stopped after the statistics pass (killed, out of memory) resumes from the saved statistics: only
+    the held-out pass runs again, and the refitted mapper equals the first. Statistics of another size are
+    collected anew, the earlier ones kept aside."""
+    import cachecert_agents.eval.transfer_eval as te
+
+    sender, receiver = twins
+    wl = tiny_workload(CONTEXTS, n_calibration=3)
+    first = te.build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    stem = tmp_path / "tiny-a__tiny-b__tiny"
+    for path in (f"{stem}.json", f"{stem}.safetensors"):  # the stop: statistics saved, no mapper yet
+        Path(path).unlink()
+    passes = []
+    collect = te.collect_statistics
+    monkeypatch.setattr(te, "collect_statistics", lambda *a, **k: passes.append(k["total"]) or collect(*a, **k))
+    again = te.build_mapper(sender, receiver, wl, [2], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    assert passes == [1]  # the held-out pass only
+    assert set(again.weights) == set(first.weights)
+    assert all(torch.equal(again.weights[k], first.weights[k]) for k in first.weights)
+    assert again.header["statistics_sha256"] == first.header["statistics_sha256"]
+    assert not list(tmp_path.glob("tiny-a__tiny-b__tiny.stats.*.replaced-*"))  # nothing set aside
+    # other statistics asked for (another split, so other targets): collected again, the saved ones kept aside
+    passes.clear()
+    te.build_mapper(sender, receiver, wl, [1, 2], n_contexts=2, n_heldout=1, out_dir=tmp_path)
+    assert passes == [2, 1]
+    assert len(list(tmp_path.glob("tiny-a__tiny-b__tiny.stats.*.replaced-*"))) == 2
 
 
 def test_diagnose_splits_resumes_and_counts_each_example_once(twins, tmp_path):

@@ -142,6 +142,35 @@ def calibration_fingerprint(workload: Workload, n_contexts: int) -> str:
     return json_fingerprint([[e.context, e.instruction] for e in cal])
 
 
+def reusable_statistics(stem: str | Path, expect: dict, header: dict, wanted: set[str], n_contexts: int
+                        ) -> PairStatistics | None:
+    """The statistics saved at ``stem`` when they are exactly those :func:`build_mapper` is about to collect (same
+    pair and weights, calibration text, context count, residual-stream width, anchor and targets), else None.
+
+    The statistics pass is most of a mapper's cost (about 25 minutes through the 1.5B sender), and they are saved
+    before the held-out pass and the fit: a run stopped in between (killed, out of memory) resumes from them
+    instead of collecting them again. Unreadable or mismatched statistics are logged and collected anew (the
+    earlier files are then kept aside, never overwritten)."""
+    if not artifact_paths(stem)[1].exists():
+        return None
+    try:
+        stats = PairStatistics.load(stem, expect=expect)
+    except (ValueError, OSError, KeyError) as exc:
+        logger.info("statistics %s are not reusable (%s); collecting them again", stem, exc)
+        return None
+    same = {k: (stats.header.get(k), header.get(k)) for k in ("calibration_sha256", "hidden_width", "anchor")}
+    same["n_contexts"] = (stats.header.get("n_contexts"), n_contexts)
+    same["targets"] = (set(stats.targets), wanted)
+    differ = sorted(k for k, (found, asked) in same.items() if found != asked)
+    if differ:
+        logger.info("statistics %s differ from those asked for in %s; collecting them again", stem,
+                    ", ".join(differ))
+        return None
+    logger.info("reusing statistics %s (%d contexts, %d receiver tokens) saved by an earlier run", stem,
+                stats.header["n_contexts"], stats.n_tokens)
+    return stats
+
+
 def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload, splits: list[int],
                  n_contexts: int | None, n_heldout: int = 4, out_dir: Path | None = None, force: bool = False,
                  hidden_width: int | None = None, anchor: int | None = None) -> RidgeMapper:
@@ -193,11 +222,13 @@ def build_mapper(sender: ModelHandle, receiver: ModelHandle, workload: Workload,
                          f"{n_heldout} held out")
     header["calibration_sha256"] = calibration_fingerprint(workload, n_contexts)
     hidden_splits = sorted(int(t.split(":")[1]) for t in wanted if t.startswith("hidden:"))
-    stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
-                               hidden_splits, header, total=n_contexts, hidden_width=hidden_width, anchor=anchor,
-                               kv_until=kv_until)
-    keep_artifact_aside(f"{stem}.stats")
-    stats.save(f"{stem}.stats")
+    stats = None if force else reusable_statistics(f"{stem}.stats", expect, header, wanted, n_contexts)
+    if stats is None:
+        stats = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in cal[:n_contexts]],
+                                   hidden_splits, header, total=n_contexts, hidden_width=hidden_width,
+                                   anchor=anchor, kv_until=kv_until)
+        keep_artifact_aside(f"{stem}.stats")
+        stats.save(f"{stem}.stats")
     heldout = collect_statistics(sender, receiver, [(e.context, e.instruction) for e in
                                                     cal[n_contexts:n_contexts + n_heldout]],
                                  hidden_splits, header, total=n_heldout, hidden_width=hidden_width, anchor=anchor,
