@@ -151,20 +151,22 @@ def reusable_statistics(stem: str | Path, expect: dict, header: dict, wanted: se
     before the held-out pass and the fit: a run stopped in between (killed, out of memory) resumes from them
     instead of collecting them again. Unreadable or mismatched statistics are logged and collected anew (the
     earlier files are then kept aside, never overwritten)."""
-    if not artifact_paths(stem)[1].exists():
+    header_path = artifact_paths(stem)[1]
+    if not header_path.exists():
         return None
-    try:
+    try:  # the JSON header first: mismatched statistics (gigabytes of tensors) are not read at all
+        saved = json.loads(header_path.read_text())
+        same = {k: (saved.get(k), header.get(k)) for k in ("calibration_sha256", "hidden_width", "anchor")}
+        same["n_contexts"] = (saved.get("n_contexts"), n_contexts)
+        same["targets"] = (set(saved.get("targets", {})), wanted)
+        differ = sorted(k for k, (found, asked) in same.items() if found != asked)
+        if differ:
+            logger.info("statistics %s differ from those asked for in %s; collecting them again", stem,
+                        ", ".join(differ))
+            return None
         stats = PairStatistics.load(stem, expect=expect)
     except (ValueError, OSError, KeyError) as exc:
         logger.info("statistics %s are not reusable (%s); collecting them again", stem, exc)
-        return None
-    same = {k: (stats.header.get(k), header.get(k)) for k in ("calibration_sha256", "hidden_width", "anchor")}
-    same["n_contexts"] = (stats.header.get("n_contexts"), n_contexts)
-    same["targets"] = (set(stats.targets), wanted)
-    differ = sorted(k for k, (found, asked) in same.items() if found != asked)
-    if differ:
-        logger.info("statistics %s differ from those asked for in %s; collecting them again", stem,
-                    ", ".join(differ))
         return None
     logger.info("reusing statistics %s (%d contexts, %d receiver tokens) saved by an earlier run", stem,
                 stats.header["n_contexts"], stats.n_tokens)
