@@ -54,10 +54,18 @@ def artifact_paths(stem: str | Path) -> tuple[Path, Path]:
     return Path(f"{stem}.safetensors"), Path(f"{stem}.json")
 
 
+def read_artifact_header(stem: str | Path) -> dict:
+    """The JSON header ``<stem>.json`` alone (no tensors read); ``ValueError`` when it is not a JSON object."""
+    js = artifact_paths(stem)[1]
+    header = json.loads(js.read_text())
+    if not isinstance(header, dict):
+        raise ValueError(f"{js}: not an artifact header (a JSON {type(header).__name__}, not an object)")
+    return header
+
+
 def artifact_fingerprint(stem: str | Path) -> str:
     """The sha256 (16 hex) of an artifact's tensor file: as its header records it, else computed."""
-    st, js = artifact_paths(stem)
-    return json.loads(js.read_text()).get("tensors_sha256") or file_fingerprint(st)
+    return read_artifact_header(stem).get("tensors_sha256") or file_fingerprint(artifact_paths(stem)[0])
 
 
 def keep_aside(path: str | Path) -> Path | None:
@@ -114,7 +122,7 @@ def load_artifact(stem: str | Path, fmt: str, expect: dict | None = None, what: 
                   ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read an artifact of format ``fmt``; ``expect`` entries must equal the header's."""
     st, js = artifact_paths(stem)
-    header = json.loads(js.read_text())
+    header = read_artifact_header(stem)
     if header.get("format") != fmt:
         raise ValueError(f"{js}: not a {fmt} file (format {header.get('format')!r})")
     check_header(header, expect, f"{what} {stem}")

@@ -27,7 +27,6 @@ resumable. :func:`summarise` turns the records into the rows of ``docs/results/t
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import re
 import statistics
@@ -39,7 +38,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, json_fingerprint, keep_artifact_aside
+from cachecert_agents.artifacts import (artifact_fingerprint, artifact_paths, json_fingerprint, keep_artifact_aside,
+                                        read_artifact_header)
 from cachecert_agents.cert.scores import RiskScorer, scores_are_current
 from cachecert_agents.errors import CacheCertError
 from cachecert_agents.eval.metrics import ratio_interval
@@ -125,11 +125,10 @@ def recorded_mapper_contexts(records: list[dict], stem: str | Path) -> int | Non
     """The calibration contexts (``n_calibration_contexts``) of the saved mapper at ``stem`` when every record that
     names a mapper (``mapper_sha256``) names this one; None when the mapper is not saved there, a record names
     another, or no record names any. Reads the JSON header only (no tensors)."""
-    header_path = artifact_paths(stem)[1]
     named = {r["mapper_sha256"] for r in records if r.get("mapper_sha256")}
-    if not named or not header_path.exists():
+    if not named or not artifact_paths(stem)[1].exists():
         return None
-    header = json.loads(header_path.read_text())
+    header = read_artifact_header(stem)
     return header.get("n_calibration_contexts") if named == {header.get("tensors_sha256")} else None
 
 
@@ -151,11 +150,10 @@ def reusable_statistics(stem: str | Path, expect: dict, header: dict, wanted: se
     before the held-out pass and the fit: a run stopped in between (killed, out of memory) resumes from them
     instead of collecting them again. Unreadable or mismatched statistics are logged and collected anew (the
     earlier files are then kept aside, never overwritten)."""
-    header_path = artifact_paths(stem)[1]
-    if not header_path.exists():
+    if not artifact_paths(stem)[1].exists():
         return None
     try:  # the JSON header first: mismatched statistics (gigabytes of tensors) are not read at all
-        saved = json.loads(header_path.read_text())
+        saved = read_artifact_header(stem)
         same = {k: (saved.get(k), header.get(k)) for k in ("calibration_sha256", "hidden_width", "anchor")}
         same["n_contexts"] = (saved.get("n_contexts"), n_contexts)
         same["targets"] = (set(saved.get("targets", {})), wanted)
