@@ -716,7 +716,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
     """Fit a certificate from labelled requests (running the labelling evaluation first when too few exist)."""
     from pathlib import Path
 
-    from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths
+    from cachecert_agents.artifacts import artifact_fingerprint, artifact_paths, read_artifact_header
     from cachecert_agents.cert.certificate import build_certificate
     from cachecert_agents.cert.scores import score_definition
     from cachecert_agents.eval.cert_eval import labelled_requests, screened_requests
@@ -793,8 +793,7 @@ def _cmd_certify(args: argparse.Namespace) -> int:
         raise CacheCertError(f"no mapper at {stem}; run `cachecert calibrate` first")
     if labelled is None:
         raise CacheCertError(f"no requests labelled with the mapper at {stem} for {key}")
-    header = json.loads(js.read_text())
-    fps = pair_fingerprints(header)
+    fps = pair_fingerprints(read_artifact_header(stem))
     gains = labelled.gains(args.score)
     cert = build_certificate(
         labelled.ids, labelled.scores[args.score], labelled.unsafe, alpha=args.alpha, delta=args.delta,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from cachecert_agents.artifacts import artifact_paths, load_artifact, save_artifact
+from cachecert_agents.artifacts import artifact_paths, load_artifact, read_artifact_header, save_artifact
 from cachecert_agents.kv.segment import build_dynamic_cache
 from cachecert_agents.models.handle import PromptSegments
 from cachecert_agents.transfer.features import SenderFeatures
@@ -267,7 +266,7 @@ class KVCacheStore:
     def _scan(self) -> None:
         for js in sorted(self.persist_dir.glob("*.json")):
             try:
-                header = json.loads(js.read_text())
+                header = read_artifact_header(js.with_suffix(""))
                 if header.get("format") != CONTEXT_CACHE_FORMAT or js.stem != header.get("key"):
                     continue
                 missing = [k for k in ("model", "text_key", "windows", "length") if k not in header]
