@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from cachecert_agents.cli import write_json_atomic
-from cachecert_agents.eval.cti_eval import correlate
+from cachecert_agents.eval.cti_eval import TARGETS, correlate
 
 
 def _pairs(ref: str) -> list[dict]:
@@ -43,9 +43,10 @@ def main() -> None:
     ap.add_argument("--before-as-workload", default=None, metavar="W",
                     help="correlate the earlier run's indices with retention on W (a cross-workload run: statistics "
                          "from one workload's text, retention measured on W)")
-    ap.add_argument("--target", choices=("retention", "agreement"), default="retention",
-                    help="what the indices are correlated with: retention (the issue's target) or the agreement "
-                         "rate with the receiver's full-prefill answer")
+    ap.add_argument("--target", choices=TARGETS, default="retention",
+                    help="what the indices are correlated with: retention (the issue's target), the agreement "
+                         "rate with the receiver's full-prefill answer, or context_gain (the share of the "
+                         "context's lift over no context that the transfer carries)")
     args = ap.parse_args()
     rows = json.loads(Path(args.transfer).read_text())["results"]
     comparisons = []

@@ -480,3 +480,27 @@ def test_cti_cli_refuses_what_it_cannot_do_before_any_work(tmp_path, cache_home,
     assert main(["cti", "--all", "--workload", "squad-long", "--retention-workload", "hotpotqa", "--out", str(out),
                  "--transfer", str(data)]) == 2
     assert "does not merge" in capsys.readouterr().err
+
+
+def test_context_gain_measures_what_the_transfer_carries_above_the_no_context_floor():
+    from cachecert_agents.eval.cti_eval import context_gain, correlate
+
+    row = {"score_full": 0.5, "score_transfer": 0.3, "score_no_context": 0.1}
+    assert context_gain(row) == pytest.approx(0.5)  # half the context's lift; retention would say 0.6
+    assert context_gain(dict(row, score_transfer=0.1)) == pytest.approx(0.0)  # no better than no context
+    assert context_gain(dict(row, score_transfer=0.05)) < 0
+    assert context_gain(dict(row, score_no_context=0.49)) is None  # the context barely helps: ratio is noise
+    assert context_gain(dict(row, score_no_context=0.6)) is None  # full prefill below no context
+    assert context_gain({"score_full": 0.5}) is None
+    # ranked against the gain, a receiver that answers well without the context no longer looks like a good pair
+    preds = [{"sender": s, "receiver": "r", "workload": "musique", "cti": c, "splits": {"4": {"cti": c,
+              "residual_fraction": 0.5}}, "baselines": {"r2": 0.5}} for s, c in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
+    rows = [{"sender": s, "receiver": "r", "workload": "musique", "method": "ridge-kv", "n": 50,
+             "score_full": 0.2, "score_no_context": nc, "score_transfer": t, "retention": t / 0.2}
+            for s, nc, t in (("a", 0.15, 0.15), ("b", 0.05, 0.06), ("c", 0.05, 0.18))]
+    rows.append(dict(rows[0], sender="d", score_no_context=0.195))  # lift 0.005: skipped for the gain only
+    preds.append(dict(preds[0], sender="d"))
+    by_retention, by_gain = correlate(preds, rows), correlate(preds, rows, target="context_gain")
+    assert len(by_retention["points"]) == 4 and len(by_gain["points"]) == 3
+    assert by_gain["correlations"]["pooled"]["spearman_cti"] == pytest.approx(1.0)
+    assert by_retention["correlations"]["pooled"]["spearman_cti"] < 1.0

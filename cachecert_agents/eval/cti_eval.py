@@ -259,16 +259,37 @@ def pair_attention_cosine(sender: ModelHandle, receiver: ModelHandle, workload: 
     return result
 
 
-def correlate(predictions: list[dict], transfer_rows: list[dict],
-              target: Literal["retention", "agreement"] = "retention") -> dict[str, Any]:
-    """Spearman's rho between predicted transferability and the measured ``target`` (retention, the issue's; or
-    the agreement rate with the receiver's full-prefill answer), per workload and pooled, for the CTI and each
-    baseline; returns the matched points too. Rows without the target are skipped."""
-    if target not in ("retention", "agreement"):
-        raise ValueError(f"target must be 'retention' or 'agreement', not {target!r}")
+Target = Literal["retention", "agreement", "context_gain"]
+TARGETS: tuple[str, ...] = ("retention", "agreement", "context_gain")
+MIN_CONTEXT_LIFT = 0.02
+
+
+def context_gain(row: dict, min_lift: float = MIN_CONTEXT_LIFT) -> float | None:
+    """Share of the context's benefit a transfer carries, from one transfer row's task scores:
+    ``(score_transfer - score_no_context) / (score_full - score_no_context)``; 1 = as good as the receiver's own
+    prefill, 0 = no better than giving it no context (negative: worse). Retention divides by ``score_full`` alone,
+    so a receiver that answers well without the context gets a high retention for a transfer that carried nothing;
+    this ratio does not. ``None`` when full prefill lifts the score by less than ``min_lift`` (task-score units),
+    where the ratio is noise (or its sign is meaningless), or when a score is missing."""
+    full, transfer, none = (row.get(k) for k in ("score_full", "score_transfer", "score_no_context"))
+    if full is None or transfer is None or none is None or full - none < min_lift:
+        return None
+    return (transfer - none) / (full - none)
+
+
+def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target = "retention") -> dict[str, Any]:
+    """Spearman's rho between predicted transferability and the measured ``target`` (retention, the issue's; the
+    agreement rate with the receiver's full-prefill answer; or :func:`context_gain`, the share of the context's
+    benefit carried), per workload and pooled, for the CTI and each baseline; returns the matched points too. Rows
+    without the target are skipped."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
     points = []
     for row in transfer_rows:
-        if row.get(target) is None or row["method"] in ("no-context", "sender", "random-map"):
+        if row["method"] in ("no-context", "sender", "random-map"):
+            continue
+        row = dict(row, context_gain=context_gain(row))
+        if row.get(target) is None:
             continue
         pred = next((p for p in predictions if p["sender"] == row["sender"] and p["receiver"] == row["receiver"]
                      and p["workload"] == row["workload"]), None)
@@ -288,7 +309,7 @@ def correlate(predictions: list[dict], transfer_rows: list[dict],
         cosine = (pred["baselines"].get("attention_cosine") or {}).get("predictions", {}).get(split)
         points.append({"sender": row["sender"], "receiver": row["receiver"], "workload": row["workload"],
                        "method": row["method"], "n": row["n"], "retention": row.get("retention"),
-                       "agreement": row.get("agreement"), "cti": sp["cti"],
+                       "agreement": row.get("agreement"), "context_gain": row["context_gain"], "cti": sp["cti"],
                        "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
                        "attention_cosine": cosine, "pure_kv": split == max(pred["splits"], key=int)})
     out: dict[str, Any] = {"target": target, "points": points, "correlations": {}}
@@ -316,8 +337,7 @@ def correlate(predictions: list[dict], transfer_rows: list[dict],
     return out
 
 
-def split_selection(points: list[dict],
-                    target: Literal["retention", "agreement"] = "retention") -> dict[str, Any]:
+def split_selection(points: list[dict], target: Target = "retention") -> dict[str, Any]:
     """Whether each predictor ranks one pair's split layers (and pure KV) as the measured ``target`` does: per
     (pair, workload) with at least 3 methods, Spearman's rho across its methods, and whether the predictor's best method
     is the measured best. This is the question a user asks when picking a split from statistics alone."""
