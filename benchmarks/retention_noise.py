@@ -41,8 +41,8 @@ from cachecert_agents.jsonl import read_jsonl
 
 
 def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, methods: list[str], n: int,
-                  target: str = "retention") -> tuple[np.ndarray, np.ndarray, float]:
-    """``(transfer [methods, ids], full [ids], mean full-prefill task score)`` over the first ``n`` examples
+                  target: str = "retention") -> tuple[np.ndarray, np.ndarray, float, list[str]]:
+    """``(transfer [methods, ids], full [ids], mean full-prefill task score, ids)`` over the first ``n`` examples
     evaluated (a run in progress may have appended more); NaN where a method lacks an example. For
     ``target="agreement"`` the transfer entries are 0/1 agreement with the full-prefill answer and ``full`` is all
     ones, so the same ratio of means is the agreement rate."""
@@ -53,7 +53,7 @@ def _group_scores(results_dir: Path, sender: str, receiver: str, workload: str, 
     ids = list(dict.fromkeys(i for i, m in latest if m in methods))[:n]  # in evaluation order
     transfer = np.array([[latest.get((i, m), np.nan) for i in ids] for m in methods])
     return transfer, np.array([full[i] if target == "retention" else 1.0 for i in ids]), float(
-        np.mean([full[i] for i in ids]))
+        np.mean([full[i] for i in ids])), ids
 
 
 def _retention(transfer: np.ndarray, full: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -135,7 +135,7 @@ def main() -> None:
         groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
     data, full_scores = [], []
     for (sender, receiver, workload), pts in groups.items():
-        transfer, full, full_score = _group_scores(Path(args.results_dir), sender, receiver, workload,
+        transfer, full, full_score, _ = _group_scores(Path(args.results_dir), sender, receiver, workload,
                                                    [p["method"] for p in pts], max(p["n"] for p in pts), args.target)
         recomputed = _retention(transfer, full, np.arange(full.size))
         for p, r in zip(pts, recomputed):

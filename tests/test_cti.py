@@ -504,3 +504,35 @@ def test_context_gain_measures_what_the_transfer_carries_above_the_no_context_fl
     assert len(by_retention["points"]) == 4 and len(by_gain["points"]) == 3
     assert by_gain["correlations"]["pooled"]["spearman_cti"] == pytest.approx(1.0)
     assert by_retention["correlations"]["pooled"]["spearman_cti"] < 1.0
+
+
+def test_cti_floor_benchmark_takes_the_floor_from_one_half_and_retention_from_the_other(monkeypatch):
+    """benchmarks/cti_floor.py: the floor (no-context / full) and retention never share questions when
+    cross-fitted, so the noise of the shared ``score_full`` cannot correlate them."""
+    import importlib
+    from pathlib import Path
+
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    floor_module = importlib.import_module("cti_floor")
+    full = np.array([1.0, 1.0, 0.5, 0.5])
+    no_context = np.array([1.0, np.nan, 0.0, 0.0])
+    assert floor_module._floor(no_context, full, np.arange(4)) == pytest.approx(1.0 / 2.0)  # id 1 has no answer
+    assert np.isnan(floor_module._floor(no_context, np.zeros(4), np.arange(4)))
+
+    def group(receiver, floor_a, cti, workload="musique"):
+        # ids a0, a1 in half A carry the floor; b0, b1 in half B carry retention 0.2 + cti / 2
+        ids = ["a0", "a1", "b0", "b1"]
+        ret = 0.2 + cti / 2
+        return {"receiver": receiver, "workload": workload, "ids": ids, "full": np.ones(4),
+                "no_context": np.array([floor_a, floor_a, 0.0, 0.0]),
+                "transfer": np.array([[0.0, 0.0, ret, ret]]),
+                "points": [{"workload": workload, "pure_kv": True, "cti": cti}]}
+
+    groups = [group("r1", 0.9, 0.1), group("r2", 0.5, 0.5), group("r3", 0.1, 0.9)]
+    halves = {(r, "musique"): {"a0", "a1"} for r in ("r1", "r2", "r3")}
+    ranked = floor_module._rank_all(groups, halves)["pooled"]
+    assert ranked["n_points"] == 3 and ranked["cti"] == pytest.approx(1.0)
+    assert ranked["floor"] == pytest.approx(-1.0)  # half A's floor, ranked against half B's retention
+    assert ranked["floor_in_sample"] != ranked["floor_in_sample"]  # half B has floor 0 everywhere: constant, NaN
