@@ -120,9 +120,9 @@ def main() -> None:
     cross_fitted = {name: {"n_points": reps[0][name]["n_points"]} | {
         k: summary([r[name][k] for r in reps]) for k in PREDICTORS} | {
         # paired over the repetitions: the same halves rank both predictors
-        "floor_plus_cti_minus_cti": summary([r[name]["floor_plus_cti"] - r[name]["cti"] for r in reps]),
-        "floor_plus_cti_ahead_fraction": float(np.mean([r[name]["floor_plus_cti"] > r[name]["cti"] for r in reps]))}
-        for name in reps[0]}
+        f"{k}_minus_cti": summary([r[name][k] - r[name]["cti"] for r in reps]) for k in ("floor", "floor_plus_cti")} | {
+        f"{k}_ahead_fraction": float(np.mean([r[name][k] > r[name]["cti"] for r in reps]))
+        for k in ("floor", "floor_plus_cti")} for name in reps[0]}
     write_json_atomic(Path(args.out), {
         "command": "python " + shlex.join(sys.argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
