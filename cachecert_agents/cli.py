@@ -526,6 +526,38 @@ def _cmd_eval_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_floor(args: argparse.Namespace) -> int:
+    """The receiver's no-context floor on each workload's calibration split (``eval/receiver_floor.py``)."""
+    from pathlib import Path
+
+    from cachecert_agents.eval.receiver_floor import receiver_floor
+    from cachecert_agents.eval.workloads import get_workload
+    from cachecert_agents.models.handle import ModelHandle
+    from cachecert_agents.models.registry import EMBEDDED_MODELS, require_installed
+
+    _read_results(args.out, "--out")  # a file that is not a results file fails before any work
+    workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
+    for w in workloads:
+        w.examples()  # a missing or malformed data file fails now, before the model loads
+    if args.receiver in EMBEDDED_MODELS:
+        require_installed(args.receiver)
+    receiver = ModelHandle.load(args.receiver, device=args.device)
+    rows = []
+    for w in workloads:
+        try:
+            row = receiver_floor(receiver, w, args.n, Path(args.results_dir))
+        except ValueError as exc:
+            raise CacheCertError(str(exc)) from exc
+        rows.append(row)
+        if not args.json:
+            print(f"{row['receiver']} {row['workload']} (calibration, n={row['n']}): full {row['score_full']:.3f} "
+                  f"no context {row['score_no_context']:.3f} floor {row['floor']:.3f}")
+    if args.out:
+        _merge_rows(args.out, rows, key=("receiver", "workload"))
+    _emit(rows, args.json)
+    return 0
+
+
 def _cmd_eval_summarise(args: argparse.Namespace) -> int:
     """Rows from the records already written for a pair and workload (e.g. of a run stopped before its end),
     over the first ``--n`` evaluation examples: each method's row covers the examples it has records for. Nothing
@@ -1214,6 +1246,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_diagnose)
+
+    p = esub.add_parser("floor", help="the receiver's no-context floor (no-context / full-prefill score) on each "
+                                      "workload's calibration split: a retention predictor that needs no sender")
+    p.add_argument("--receiver", required=True, help="an embedded model name, a Hugging Face id or a local path")
+    p.add_argument("--workload", required=True, help="one workload or several, comma-separated")
+    p.add_argument("--data", help=_DATA_HELP)
+    p.add_argument("--n", type=_positive_int, default=20, help="the first N calibration examples")
+    p.add_argument("--results-dir", default="docs/results/transfer",
+                   help="per-example records (resumable), under floor/")
+    p.add_argument("--out", default="docs/results/receiver_floors.json",
+                   help="merge one row per receiver and workload into this file ('' to skip)")
+    p.add_argument("--device", default="cpu", help="torch device the model runs on (cpu, cuda, mps)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval_floor)
 
     p = esub.add_parser("summarise", help="summary rows from the records already written (e.g. a stopped run)")
     p.add_argument("--pair", type=_parse_pair, required=True, metavar="SENDER:RECEIVER")

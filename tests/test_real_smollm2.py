@@ -260,3 +260,15 @@ def test_selective_recompute_on_the_real_model(smollm2):
     repaired = transfer(smollm2, prompt, feats, mapper, split=L, recompute=1.0)
     got = smollm2.continue_from(repaired.cache, prompt.suffix_ids, logits_to_keep=1).logits[-1]
     assert torch.allclose(got, exact, atol=1e-3), (got - exact).abs().max()
+
+
+def test_receiver_floor_on_the_real_model(smollm2, tmp_path):
+    """The no-context floor of a real receiver: it answers from the context and not without it."""
+    from cachecert_agents.eval.receiver_floor import receiver_floor
+    from tests.conftest import tiny_workload
+
+    wl = tiny_workload(["The cat sat on the mat in the hall.", "In the hall, the cat sat on a red mat."],
+                       n_calibration=2)
+    row = receiver_floor(smollm2, wl, n=2, results_dir=tmp_path, progress=False)
+    assert row["n"] == 2 and row["score_full"] > row["score_no_context"]
+    assert 0 <= row["floor"] < 1

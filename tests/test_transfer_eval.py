@@ -321,3 +321,46 @@ def test_recorded_mapper_contexts_reads_the_cached_header_only_when_the_records_
     assert recorded_mapper_contexts(named + [_rec(1, "ridge-kv", 0.5, True, mapper_sha256="def")], stem) is None
     assert recorded_mapper_contexts([_rec(0, "no-context", 0.1, False)], stem) is None
     assert recorded_mapper_contexts(named, tmp_path / "missing") is None
+
+
+def test_receiver_floor_is_measured_on_calibration_examples_and_resumes(tiny_tokenizer, tmp_path, monkeypatch):
+    """``eval/receiver_floor.py``: no-context / full-prefill score over calibration examples only; a rerun answers
+    nothing again; a receiver that never scores with the context has no floor (a clear error, not a NaN)."""
+    from types import SimpleNamespace
+
+    from cachecert_agents.eval.receiver_floor import floor_records_path, receiver_floor
+    from cachecert_agents.models.handle import ModelHandle
+    from tests.conftest import tiny_model, tiny_workload
+
+    receiver = ModelHandle("tiny-b", tiny_model("qwen2", seed=8), tiny_tokenizer)
+    no_context_len = len(receiver.format_prompt("", "where did the cat sit").input_ids)
+    calls = []
+
+    def generate(input_ids, **kw):  # "mat" (right) with the context, "dog" without; one in three wrong anyway
+        calls.append(len(input_ids))
+        with_context = len(input_ids) > no_context_len
+        return SimpleNamespace(text="mat" if with_context or len(calls) % 3 == 0 else "dog")
+
+    monkeypatch.setattr(receiver, "generate", generate)
+    wl = tiny_workload(["the cat sat on the mat", "a cat on a mat", "mat cat", "evaluation only"], n_calibration=3)
+    row = receiver_floor(receiver, wl, n=10, results_dir=tmp_path, progress=False)
+    assert row["n"] == 3 and row["subset"] == "calibration" and len(calls) == 6  # the evaluation example unused
+    assert row["score_full"] == 1.0 and row["floor"] == pytest.approx(row["score_no_context"])
+    assert 0 < row["floor"] < 1
+    assert len(floor_records_path(tmp_path, "tiny-b", "tiny").read_text().splitlines()) == 6
+    assert receiver_floor(receiver, wl, n=10, results_dir=tmp_path, progress=False) == row and len(calls) == 6
+    monkeypatch.setattr(receiver, "generate", lambda input_ids, **kw: SimpleNamespace(text="dog"))
+    with pytest.raises(ValueError, match="undefined"):
+        receiver_floor(receiver, wl, n=3, results_dir=tmp_path / "other", progress=False)
+
+
+def test_eval_floor_cli_merges_rows_and_refuses_bad_input(tmp_path, capsys):
+    from cachecert_agents.cli import main
+
+    out = tmp_path / "floors.json"
+    out.write_text("not json")
+    assert main(["eval", "floor", "--receiver", "smollm2-135m", "--workload", "hotpotqa", "--out", str(out)]) == 2
+    assert out.read_text() == "not json"  # nothing the user wrote is overwritten
+    assert main(["eval", "floor", "--receiver", "smollm2-135m", "--workload", "nope",
+                 "--out", str(tmp_path / "f.json")]) == 2
+    assert "nope" in capsys.readouterr().err

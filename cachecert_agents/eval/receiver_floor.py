@@ -1,0 +1,68 @@
+"""The receiver's no-context floor: how well it answers a workload without the shared context.
+
+Retention (``score_transfer / score_full``) of a transfer that carries nothing is ``score_no_context /
+score_full``, the *floor*; retention decomposes as ``floor + (1 - floor) * context_gain``
+(:func:`cachecert_agents.eval.cti_eval.context_gain`). The floor belongs to the receiver and the workload alone: no
+sender or mapper runs, and one measurement serves every sender into that receiver. It is measured here on the
+workload's **calibration** split, so it shares no question (and no noise) with the retention it is compared with,
+which is measured on the evaluation split (``benchmarks/cti_floor.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from cachecert_agents.eval.transfer_eval import current_records, record_settings
+from cachecert_agents.eval.workloads import Workload
+from cachecert_agents.jsonl import append_jsonl, read_jsonl
+from cachecert_agents.models.handle import ModelHandle
+
+logger = logging.getLogger(__name__)
+
+
+def floor_records_path(results_dir: Path, receiver: str, workload: str) -> Path:
+    """Per-example records of :func:`receiver_floor` (JSONL, resumable)."""
+    return results_dir / "floor" / f"{receiver}__{workload}.jsonl"
+
+
+def receiver_floor(receiver: ModelHandle, workload: Workload, n: int, results_dir: Path,
+                   progress: bool = True) -> dict[str, Any]:
+    """Answer the first ``n`` calibration examples of ``workload`` twice with ``receiver``, with its full prefill
+    of the context and with the instruction alone, and return the floor ``mean no-context score / mean full
+    score`` (task-score units: token F1 or ROUGE-L) with both means, ``n`` and the receiver's weights fingerprint.
+
+    Resumes from the records at :func:`floor_records_path` (records made with other weights, data or generation
+    settings are redone). Raises ``ValueError`` when the workload has no calibration example or the full-prefill
+    answers score zero on every example (the floor is then undefined)."""
+    examples = workload.examples("calibration")[:n]
+    if not examples:
+        raise ValueError(f"{workload.name} has no calibration example to measure the floor on")
+    path = floor_records_path(results_dir, receiver.name, workload.name)
+    settings = {ex.id: record_settings(workload, ex, receiver) for ex in examples}
+    kept, stale = current_records(read_jsonl(path), settings)
+    if stale:
+        logger.warning("%s: %d record(s) were made with other weights, data or settings; they are redone", path,
+                       stale)
+    done = {(r["id"], r["method"]): r for r in kept}
+    gen_kw = dict(max_new_tokens=workload.max_new_tokens, stop_strings=workload.stop_strings)
+    for ex in tqdm(examples, desc=f"floor {receiver.name} {workload.name}", disable=not progress):
+        for method, context in (("full", ex.context), ("no-context", "")):
+            if (ex.id, method) in done:
+                continue
+            answer = receiver.generate(receiver.format_prompt(context, ex.instruction).input_ids, **gen_kw).text
+            rec = {"id": ex.id, "receiver": receiver.name, "workload": workload.name, "method": method,
+                   "answer": answer, "score": workload.score(answer, ex.references), "settings": settings[ex.id]}
+            append_jsonl(path, rec)
+            done[(ex.id, method)] = rec
+    full = [done[(ex.id, "full")]["score"] for ex in examples]
+    no_context = [done[(ex.id, "no-context")]["score"] for ex in examples]
+    if sum(full) <= 0:
+        raise ValueError(f"{receiver.name} scores 0 with the full context on all {len(examples)} calibration "
+                         f"examples of {workload.name}: the floor is undefined")
+    return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "n": len(examples),
+            "score_full": sum(full) / len(full), "score_no_context": sum(no_context) / len(no_context),
+            "floor": sum(no_context) / sum(full), "receiver_weights": receiver.weights_fingerprint}
