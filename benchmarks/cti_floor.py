@@ -14,7 +14,12 @@ every predictor is ranked against retention recomputed on half B. The in-sample 
 beside it to show how much the shared denominator adds. The CTI is computed from calibration text and does not
 depend on the halves.
 
-    python benchmarks/cti_floor.py --cti docs/results/cti_k4_p1.json --out docs/results/cti_floor.json
+With ``--floors`` (the rows of ``cachecert eval floor``: each receiver's floor measured on the workload's
+*calibration* split, so it shares no question with retention), the floor and the combination are also ranked
+against the whole retention table, with no halving: the deployable version of the same predictor.
+
+    python benchmarks/cti_floor.py --cti docs/results/cti_k4_p1.json --floors docs/results/receiver_floors.json \
+        --out docs/results/cti_floor.json
 """
 
 from __future__ import annotations
@@ -73,11 +78,32 @@ def _rank_all(groups: list[dict], a_sets: dict[tuple[str, str], set[str]] | None
     return out
 
 
+def _rank_with_calibration_floors(points: list[dict], floors: dict[tuple[str, str], float]) -> dict:
+    """Spearman of the CTI, the calibration-split floor and ``floor + (1 - floor) * CTI`` against the retention of
+    every question, pooled, on the pure-KV points and per workload; points whose receiver has no floor on their
+    workload are left out (counted)."""
+    rows = []
+    for p in points:
+        f = floors.get((p["receiver"], p["workload"]))
+        if f is not None:
+            rows.append({"workload": p["workload"], "pure_kv": p["pure_kv"], "retention": p["retention"],
+                         "cti": p["cti"], "floor": f, "floor_plus_cti": f + (1 - f) * p["cti"]})
+    subsets = {"pooled": rows, "pure_kv": [r for r in rows if r["pure_kv"]]} | {
+        w: [r for r in rows if r["workload"] == w] for w in sorted({r["workload"] for r in rows})}
+    out: dict = {"points_without_floor": len(points) - len(rows)}
+    for name, rs in subsets.items():
+        out[name] = {"n_points": len(rs)} | {k: spearman([r[k] for r in rs], [r["retention"] for r in rs])
+                                             for k in ("cti", "floor", "floor_plus_cti")}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cti", default="docs/results/cti_k4_p1.json", help="a `cachecert cti` result (its indices)")
     ap.add_argument("--transfer", default="docs/results/transfer.json", help="the current retention table")
     ap.add_argument("--results-dir", default="docs/results/transfer", help="the per-example transfer records")
+    ap.add_argument("--floors", default=None,
+                    help="rows of `cachecert eval floor` (calibration-split floors): also rank against every question")
     ap.add_argument("--repetitions", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cti_floor.json")
@@ -123,15 +149,27 @@ def main() -> None:
         f"{k}_minus_cti": summary([r[name][k] - r[name]["cti"] for r in reps]) for k in ("floor", "floor_plus_cti")} | {
         f"{k}_ahead_fraction": float(np.mean([r[name][k] > r[name]["cti"] for r in reps]))
         for k in ("floor", "floor_plus_cti")} for name in reps[0]}
+    calibration = None
+    if args.floors:
+        floor_rows = json.loads(Path(args.floors).read_text())["results"]
+        calibration = {"floors_file": args.floors, "floors": floor_rows,
+                       **_rank_with_calibration_floors(points, {(r["receiver"], r["workload"]): r["floor"]
+                                                                for r in floor_rows})}
     write_json_atomic(Path(args.out), {
         "command": "python " + shlex.join(sys.argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cti_file": args.cti, "transfer_file": args.transfer, "repetitions": args.repetitions,
         "n_points": len(points), "n_groups": len(groups),
-        "every_question": _rank_all(groups, None), "cross_fitted": cross_fitted})
+        "every_question": _rank_all(groups, None), "cross_fitted": cross_fitted,
+        "calibration_floor": calibration})
     for name, c in cross_fitted.items():
         print(f"{name:14s} n={c['n_points']:3d} " + " ".join(f"{k}={c[k]['median']:+.3f}" for k in PREDICTORS)
               + f" ahead={c['floor_plus_cti_ahead_fraction']:.2f}")
+    if calibration is not None:
+        for name, c in calibration.items():
+            if isinstance(c, dict) and "n_points" in c:
+                print(f"calibration floor {name:14s} n={c['n_points']:3d} cti={c['cti']:+.3f} "
+                      f"floor={c['floor']:+.3f} floor_plus_cti={c['floor_plus_cti']:+.3f}")
 
 
 if __name__ == "__main__":

@@ -536,3 +536,10 @@ def test_cti_floor_benchmark_takes_the_floor_from_one_half_and_retention_from_th
     assert ranked["n_points"] == 3 and ranked["cti"] == pytest.approx(1.0)
     assert ranked["floor"] == pytest.approx(-1.0)  # half A's floor, ranked against half B's retention
     assert ranked["floor_in_sample"] != ranked["floor_in_sample"]  # half B has floor 0 everywhere: constant, NaN
+    # calibration-split floors rank against every question; a receiver without one is left out, and counted
+    points = [{"receiver": r, "workload": "musique", "pure_kv": True, "cti": c, "retention": 0.2 + c / 2}
+              for r, c in (("r1", 0.1), ("r2", 0.5), ("r3", 0.9), ("r4", 0.3))]
+    ranked = floor_module._rank_with_calibration_floors(points, {("r1", "musique"): 0.9, ("r2", "musique"): 0.5,
+                                                                 ("r3", "musique"): 0.1})
+    assert ranked["points_without_floor"] == 1 and ranked["pooled"]["n_points"] == 3
+    assert ranked["pooled"]["floor"] == pytest.approx(-1.0) and ranked["musique"]["cti"] == pytest.approx(1.0)
