@@ -152,9 +152,21 @@ def main() -> None:
     calibration = None
     if args.floors:
         floor_rows = json.loads(Path(args.floors).read_text())["results"]
+        calibration_floors = {(r["receiver"], r["workload"]): r["floor"] for r in floor_rows}
+        # how well the calibration floors reproduce the floors of the evaluation questions (the largest group of
+        # each receiver x workload, every question)
+        evaluation_floors: dict[tuple[str, str], tuple[int, float]] = {}
+        for g in groups:
+            key = (g["receiver"], g["workload"])
+            if len(g["ids"]) > evaluation_floors.get(key, (0, 0.0))[0]:
+                evaluation_floors[key] = (len(g["ids"]),
+                                          _floor(g["no_context"], g["full"], np.arange(len(g["ids"]))))
+        both = sorted(k for k in evaluation_floors if k in calibration_floors)
         calibration = {"floors_file": args.floors, "floors": floor_rows,
-                       **_rank_with_calibration_floors(points, {(r["receiver"], r["workload"]): r["floor"]
-                                                                for r in floor_rows})}
+                       "spearman_calibration_vs_evaluation_floor": spearman(
+                           [calibration_floors[k] for k in both], [evaluation_floors[k][1] for k in both]),
+                       "n_receiver_workloads": len(both),
+                       **_rank_with_calibration_floors(points, calibration_floors)}
     write_json_atomic(Path(args.out), {
         "command": "python " + shlex.join(sys.argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
