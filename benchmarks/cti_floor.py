@@ -127,15 +127,14 @@ def main() -> None:
                                  f"the table {p['retention']}")
         groups.append({"receiver": receiver, "workload": workload, "points": pts, "ids": ids, "transfer": transfer,
                        "no_context": scores[-1], "full": full})
-    question_sets: dict[tuple[str, str], list[str]] = {}
+    question_sets: dict[tuple[str, str], set[str]] = {}  # every question of a receiver x workload, all senders
     for g in groups:
-        question_sets.setdefault((g["receiver"], g["workload"]), [])
-        question_sets[(g["receiver"], g["workload"])] = sorted(set(question_sets[(g["receiver"], g["workload"])])
-                                                               | set(g["ids"]))
+        question_sets.setdefault((g["receiver"], g["workload"]), set()).update(g["ids"])
     rng = np.random.default_rng(args.seed)
     reps = []
     for _ in tqdm(range(args.repetitions), desc="cross-fitted halves"):
-        a_sets = {key: set(rng.permutation(ids)[: len(ids) // 2].tolist()) for key, ids in question_sets.items()}
+        a_sets = {key: set(rng.permutation(sorted(ids))[: len(ids) // 2].tolist())
+                  for key, ids in question_sets.items()}
         reps.append(_rank_all(groups, a_sets))
 
     def summary(values: list[float]) -> dict:

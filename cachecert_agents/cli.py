@@ -535,7 +535,7 @@ def _cmd_eval_floor(args: argparse.Namespace) -> int:
     from cachecert_agents.models.handle import ModelHandle
     from cachecert_agents.models.registry import EMBEDDED_MODELS, require_installed
 
-    _read_results(args.out, "--out")  # a file that is not a results file fails before any work
+    _read_results(args.out or None, "--out")  # a file that is not a results file fails before any work
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
     for w in workloads:
         w.examples()  # a missing or malformed data file fails now, before the model loads
