@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -260,7 +260,7 @@ def pair_attention_cosine(sender: ModelHandle, receiver: ModelHandle, workload: 
 
 
 Target = Literal["retention", "agreement", "context_gain"]
-TARGETS: tuple[str, ...] = ("retention", "agreement", "context_gain")
+TARGETS: tuple[str, ...] = get_args(Target)
 MIN_CONTEXT_LIFT = 0.02
 
 
