@@ -24,7 +24,8 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     ax.set_yscale("log")
     ax.set_xlabel("receiver layer")
     ax.set_ylabel("predicted deviation D_l")
-    ax.legend(fontsize=7)
+    if pairs:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(plots / f"{path.stem}_profiles.png", dpi=110)
     plt.close(fig)
