@@ -17,17 +17,20 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     res = payload["results"]
     pairs, corr = res["pairs"], res.get("retention", {})
     plots.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    # One line per pair x statistics workload; the legend sits beside the axes in as many columns as it needs.
+    columns = max(1, math.ceil(len(pairs) / 24))
+    fig, ax = plt.subplots(figsize=(6 + 3.2 * columns, max(3.5, 0.16 * math.ceil(len(pairs) / columns))))
     for p in pairs:
+        workload = p.get("statistics_workload") or p.get("workload")
         ax.plot([t["layer"] for t in p["profile"]], [t["deviation"] for t in p["profile"]], marker=".",
-                label=f"{p['sender']}->{p['receiver']}")
+                label=f"{p['sender']}->{p['receiver']}" + (f" ({workload})" if workload else ""))
     ax.set_yscale("log")
     ax.set_xlabel("receiver layer")
     ax.set_ylabel("predicted deviation D_l")
     if pairs:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=columns, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(plots / f"{path.stem}_profiles.png", dpi=110)
+    fig.savefig(plots / f"{path.stem}_profiles.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     points = corr.get("points", [])
     if points:
