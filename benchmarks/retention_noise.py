@@ -12,13 +12,17 @@ spans about +-0.3. A perfect predictor of the *true* retention would still corre
   step ``2 r / (1 + r)`` estimates the full-length reliability ``R``, and ``sqrt(R)`` the highest correlation a
   predictor of the true retention could expect against the measured one (the attenuation bound of classical test
   theory, Spearman 1904; exact for Pearson correlation under additive noise, an approximation for ranks).
+- The same figures per workload (``workload_<name>``) and over the receivers whose full-prefill score reaches
+  ``--min-full-score``, so the index can be set against the ceiling where it falls short.
 - ``questions_multiplier_for_ceiling``: how many times more questions per cell the same Spearman-Brown formula
   says the table needs before its ceiling reaches ``--ceiling`` (reliability ``c^2``):
   ``k = c^2 (1 - R) / (R (1 - c^2))``; ``questions_needed_per_group`` is ``ceil(k n)`` for each cell of ``n``
   questions (a workload with fewer evaluation examples than that cannot get there by more questions alone).
 
 Pairs are resampled independently of each other (receivers' full-prefill references shared between pairs are not
-tied together).
+tied together). The points are the index's per-pair predictions matched to the current retention table
+(``--transfer``, as ``benchmarks/cti_recorrelate.py`` and ``benchmarks/cti_floor.py`` do), so the figures describe
+the table as it stands, not as it stood when the index was computed.
 
     python benchmarks/retention_noise.py --cti docs/results/cti_k4_p1.json --out docs/results/cti_retention_noise.json
 """
@@ -35,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from cachecert_agents.cli import write_json_atomic
-from cachecert_agents.eval.cti_eval import spearman
+from cachecert_agents.eval.cti_eval import correlate, spearman
 from cachecert_agents.eval.transfer_eval import artifact_stem
 from cachecert_agents.jsonl import read_jsonl
 
@@ -115,6 +119,7 @@ def _questions_needed(data: list[tuple[list[dict], np.ndarray, np.ndarray]], rel
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cti", default="docs/results/cti_k4_p1.json", help="a `cachecert cti --all` result")
+    ap.add_argument("--transfer", default="docs/results/transfer.json", help="the current retention table")
     ap.add_argument("--results-dir", default="docs/results/transfer", help="the per-example transfer records")
     ap.add_argument("--target", choices=("retention", "agreement"), default="retention",
                     help="what the index is correlated with: retention (the issue's target) or the agreement rate "
@@ -129,7 +134,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 0 < args.ceiling < 1:
         ap.error(f"--ceiling {args.ceiling} must lie in (0, 1)")
-    points = json.loads(Path(args.cti).read_text())["results"]["retention"]["points"]
+    pairs = json.loads(Path(args.cti).read_text())["results"]["pairs"]
+    points = correlate(pairs, json.loads(Path(args.transfer).read_text())["results"], args.target)["points"]
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for p in points:
         groups.setdefault((p["sender"], p["receiver"], p["workload"]), []).append(p)
@@ -147,12 +153,15 @@ def main() -> None:
     result = {
         "command": "python " + shlex.join(sys.argv),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cti_file": args.cti, "target": args.target,
+        "cti_file": args.cti, "transfer_file": args.transfer, "target": args.target,
         "examples_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": int(f.size)
                                for pts, _, f in data},
         "full_score_per_group": {f"{pts[0]['sender']}->{pts[0]['receiver']} {pts[0]['workload']}": score
                                  for (pts, _, _), score in zip(data, full_scores)},
         "all_points": _noise(data, args.target, args.resamples, args.seed, args.ceiling),
+        **{f"workload_{w}": _noise([g for g in data if g[0][0]["workload"] == w], args.target, args.resamples,
+                                   args.seed, args.ceiling)
+           for w in sorted({g[0][0]["workload"] for g in data})},
         f"receivers_scoring_at_least_{args.min_full_score}": _noise(
             [g for g, score in zip(data, full_scores) if score >= args.min_full_score], args.target, args.resamples,
             args.seed, args.ceiling),
