@@ -1,6 +1,6 @@
 """How much of the CTI's rank correlation the retention table's own noise allows.
 
-Each retention is a ratio of mean task scores over 31-83 questions with nearly binary F1, so its 95% interval
+Each retention is a ratio of mean task scores over 37-150 questions with nearly binary F1, so its 95% interval
 spans about +-0.3. A perfect predictor of the *true* retention would still correlate imperfectly with the
 *measured* one. This script measures that from the per-example records, with no model run:
 
