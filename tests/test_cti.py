@@ -543,3 +543,46 @@ def test_cti_floor_benchmark_takes_the_floor_from_one_half_and_retention_from_th
                                                                  ("r3", "musique"): 0.1})
     assert ranked["points_without_floor"] == 1 and ranked["pooled"]["n_points"] == 3
     assert ranked["pooled"]["floor"] == pytest.approx(-1.0) and ranked["musique"]["cti"] == pytest.approx(1.0)
+
+
+def test_suffix_statistics_benchmark_matches_the_index_proxy_and_bounds_the_mass(monkeypatch, tiny_tokenizer):
+    """benchmarks/cti_suffix_queries.py: its context-row concentration is the library's own proxy (the same
+    weights the query statistics sum), and at the suffix rows ``sum a^2 <= sum a <= 1`` per head."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("cti_suffix_queries")
+
+    class Ex:
+        context, instruction = "the cat sat on the mat " * 5, "where did the cat sit?"
+
+    handle = ModelHandle("tiny", tiny_model("qwen2", seed=6), tiny_tokenizer)
+    layers = bench.suffix_statistics(handle, [Ex()])
+    proxy = collect_query_statistics(handle, [(Ex.context, Ex.instruction)], progress=False)
+    assert len(layers) == handle.geometry.num_layers
+    for layer, stats in enumerate(layers):
+        assert torch.allclose(torch.tensor(stats["conc_context"], dtype=torch.float64), proxy.conc[layer], rtol=1e-6)
+        conc, mass = torch.tensor(stats["conc_suffix"]), torch.tensor(stats["mass_suffix"])
+        assert torch.all(conc > 0) and torch.all(conc <= mass + 1e-12) and torch.all(mass <= 1 + 1e-12)
+
+
+def test_cross_workload_benchmark_reads_the_index_of_the_named_text(monkeypatch):
+    """benchmarks/cti_cross_workload.py: retention points of one workload carry the pair's index computed on
+    the other workload's calibration text."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("cti_cross_workload")
+
+    def pair(workload, cti):
+        return {"sender": "s", "receiver": "r", "workload": workload, "splits": {"4": {"cti": cti,
+                "residual_fraction": 0.5}}, "baselines": {"r2": 0.5}}
+
+    pairs = [pair("hotpotqa", 1.0), pair("musique", 2.0)]
+    rows = [{"sender": "s", "receiver": "r", "workload": "musique", "method": "ridge-kv", "n": 10,
+             "retention": 0.5, "score_full": 0.5, "score_no_context": 0.1, "score_transfer": 0.25}]
+    (own,) = bench.points_from_text(pairs, rows, "musique", "musique")
+    (other,) = bench.points_from_text(pairs, rows, "hotpotqa", "musique")
+    assert own["cti"] == 2.0 and other["cti"] == 1.0 and other["workload"] == "musique"

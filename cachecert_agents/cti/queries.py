@@ -50,10 +50,11 @@ class QueryStatistics:
                    int(header["n_tokens"]))
 
 
-def attention_concentration(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                            ctx: tuple[int, int], scaling: float, window: int | None) -> torch.Tensor:
-    """``[H]``: mean over query rows of ``sum_{j in ctx} a_ij^2``; ``q`` ``[H, n, d]`` and ``k`` ``[Hk, n, d]``
-    with RoPE applied, ``rows`` ``[m]`` the sampled query indices, causal (and ``window``) masking."""
+def context_attention(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                      ctx: tuple[int, int], scaling: float, window: int | None) -> torch.Tensor:
+    """``[H, m, n_ctx]`` float64: the attention weights ``a_ij`` of the query rows ``rows`` ``[m]`` on the context
+    tokens ``ctx = [start, end)``, normalised over every allowed key (causal, and ``window`` on sliding layers);
+    ``q`` ``[H, n, d]`` and ``k`` ``[Hk, n, d]`` with RoPE applied, grouped-query heads expanded."""
     heads, kv_heads = q.shape[0], k.shape[0]
     kk = k.repeat_interleave(heads // kv_heads, 0)  # [H, n, d]
     logits = torch.einsum("hmd,hnd->hmn", q[:, rows].double(), kk.double()) * scaling
@@ -63,7 +64,13 @@ def attention_concentration(q: torch.Tensor, k: torch.Tensor, positions: torch.T
     if window is not None:
         allowed &= j > i - window
     logits = logits.masked_fill(~allowed[None], float("-inf"))
-    a = torch.softmax(logits, dim=-1)[:, :, ctx[0]:ctx[1]]
+    return torch.softmax(logits, dim=-1)[:, :, ctx[0]:ctx[1]]
+
+
+def attention_concentration(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            ctx: tuple[int, int], scaling: float, window: int | None) -> torch.Tensor:
+    """``[H]``: mean over query rows of ``sum_{j in ctx} a_ij^2`` (:func:`context_attention`'s arguments)."""
+    a = context_attention(q, k, positions, rows, ctx, scaling, window)
     return (a * a).sum(-1).mean(-1)
 
 
