@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.cti.queries import context_attention
-from cachecert_agents.eval.cti_eval import correlate, spearman
+from cachecert_agents.eval.cti_eval import correlate, grouped_spearman, spearman
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.kv.rope import apply_rope, rope_tables
 from cachecert_agents.models.handle import ModelHandle
@@ -115,14 +115,7 @@ def analyse(pairs: list[dict], transfer_rows: list[dict], stats: dict) -> dict:
         mass = sum(sum(lay["mass_suffix"]) / len(lay["mass_suffix"]) for lay in layers) / len(layers)
         rows.append(dict(p, cti_suffix=-math.log10(sum(r * d for r, d in zip(ratio, devs)) / len(devs)),
                          neg_context_mass=-mass))
-    groups = {"pooled": rows} | {w: [r for r in rows if r["workload"] == w] for w in sorted({r["workload"]
-                                                                                               for r in rows})}
-    out = {}
-    for name, pts in groups.items():
-        pure = [r for r in pts if r["pure_kv"]]
-        out[name] = {"n_points": len(pts), "n_points_pure_kv": len(pure)} | {
-            f"spearman_{key}{suffix}": spearman([r[key] for r in sel], [r["retention"] for r in sel])
-            for key in ("cti", "cti_suffix", "neg_context_mass") for suffix, sel in (("", pts), ("_pure_kv", pure))}
+    out = grouped_spearman(rows, ("cti", "cti_suffix", "neg_context_mass"))
     # exploratory, added after the figures above were seen: the same two indexes within groups that share a
     # receiver (and workload), where the suffix ratio can only reweight layers, not rescale the receiver
     within = {}

@@ -586,3 +586,32 @@ def test_cross_workload_benchmark_reads_the_index_of_the_named_text(monkeypatch)
     (own,) = bench.points_from_text(pairs, rows, "musique", "musique")
     (other,) = bench.points_from_text(pairs, rows, "hotpotqa", "musique")
     assert own["cti"] == 2.0 and other["cti"] == 1.0 and other["workload"] == "musique"
+
+
+def test_likelihood_floor_benchmark_scores_the_answer_tokens_only(monkeypatch, tiny_tokenizer):
+    """benchmarks/cti_likelihood_floor.py: the answer's NLL is the cross-entropy of the answer tokens under the
+    logits of the positions before them (a full forward, all logits kept), and the floor is the ratio of the
+    mean per-token probabilities without and with the context."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("cti_likelihood_floor")
+    handle = ModelHandle("tiny", tiny_model("llama", seed=7), tiny_tokenizer)
+    context, instruction, answer = "the cat sat on the mat " * 3, "where?", "on the mat"
+    got = bench.answer_nll(handle, context, instruction, answer)
+    prompt = handle.format_prompt(context, instruction)
+    tail = handle.tokenizer.decode(prompt.suffix_ids[-1:])
+    ids = torch.tensor(handle.tokenizer(("" if tail[-1:].isspace() else " ") + answer,
+                                        add_special_tokens=False)["input_ids"])
+    n = len(prompt)
+    logits = handle.forward(torch.cat([prompt.input_ids, ids])).logits
+    want = torch.nn.functional.cross_entropy(logits[n - 1:n - 1 + ids.numel()].float(), ids)
+    assert got == pytest.approx(float(want), rel=1e-5)
+
+    class Ex:
+        id, references = "e", [answer]
+
+    Ex.context, Ex.instruction = context, instruction
+    floor = bench.likelihood_floor(handle, [Ex()])
+    assert floor["floor_nll"] == pytest.approx(math.exp(-floor["nll_no_context"][0]) / math.exp(-floor["nll_full"][0]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -313,18 +314,10 @@ def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target
                        "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
                        "attention_cosine": cosine, "pure_kv": split == max(pred["splits"], key=int)})
     out: dict[str, Any] = {"target": target, "points": points, "correlations": {}}
-    workloads = sorted({p["workload"] for p in points})
-    groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w] for w in workloads}
-    for name, pts in groups.items():
-        row = {"n_points": len(pts), **{
-            f"spearman_{key}": spearman([p[key] for p in pts], [p[target] for p in pts])
-            for key in ("cti", "residual_fraction", "r2")}}
-        # the R^2 baseline has one value per pair (pure KV), so every split of a pair ties on it: compare it with
-        # the index on the pure-KV points only, where the two are on equal terms
-        pure = [p for p in pts if p["pure_kv"]]
-        row["n_points_pure_kv"] = len(pure)
-        row |= {f"spearman_{key}_pure_kv": spearman([p[key] for p in pure], [p[target] for p in pure])
-                for key in ("cti", "residual_fraction", "r2")}
+    # the R^2 baseline has one value per pair (pure KV), so every split of a pair ties on it: compare it with the
+    # index on the pure-KV points only, where the two are on equal terms
+    for name, row in grouped_spearman(points, ("cti", "residual_fraction", "r2"), target).items():
+        pts = points if name == "pooled" else [p for p in points if p["workload"] == name]
         with_cos = [p for p in pts if p["attention_cosine"] is not None]
         if with_cos:  # the expensive baseline, on the points that have it (and CTI on the same points)
             row["n_points_attention_cosine"] = len(with_cos)
@@ -334,6 +327,23 @@ def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target
                                                        [p[target] for p in with_cos])
         out["correlations"][name] = row
     out["split_selection"] = split_selection(points, target)
+    return out
+
+
+def grouped_spearman(points: list[dict], keys: Sequence[str], target: str = "retention") -> dict[str, dict]:
+    """Spearman's rho of each predictor ``keys`` against ``target`` over ``points`` (dicts with ``workload`` and
+    ``pure_kv``): ``{"pooled": row, workload: row, ...}``, each row holding ``n_points``, ``spearman_<key>``,
+    ``n_points_pure_kv`` and ``spearman_<key>_pure_kv`` (the same on the group's pure-KV points)."""
+    groups = {"pooled": points} | {w: [p for p in points if p["workload"] == w]
+                                   for w in sorted({p["workload"] for p in points})}
+    out = {}
+    for name, pts in groups.items():
+        pure = [p for p in pts if p["pure_kv"]]
+        out[name] = {"n_points": len(pts),
+                     **{f"spearman_{k}": spearman([p[k] for p in pts], [p[target] for p in pts]) for k in keys},
+                     "n_points_pure_kv": len(pure),
+                     **{f"spearman_{k}_pure_kv": spearman([p[k] for p in pure], [p[target] for p in pure])
+                        for k in keys}}
     return out
 
 

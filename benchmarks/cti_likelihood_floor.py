@@ -1,0 +1,128 @@
+"""A receiver's no-context floor from teacher-forced likelihood, as a predictor of retention beside the CTI.
+
+Retention decomposes as ``floor + (1 - floor) * context_gain`` (``cti_eval.context_gain``), and the floor
+``score_no_context / score_full`` ranks the tool-results points the CTI cannot (``cti_floor.py``: 0.69 against
+0.02). Measured by generation on 20 calibration examples it is too noisy to deploy (its agreement with the
+evaluation split's floor is 0.46, and ``floor + (1 - floor) x CTI`` then ranks 0.49 pooled). This script measures
+the same ratio without generating: on the first ``--examples`` calibration examples of each workload the receiver
+reads the reference answer teacher-forced, once after the full prompt and once after the instruction alone, and
+``p = exp(-mean NLL per answer token)`` (the geometric-mean probability of the answer's tokens) stands in for the
+task score: ``floor_nll = mean p_no_context / mean p_full``. Receiver only; no sender, mapper or generation.
+
+Analysis fixed before any figure was seen (thirty-fifth session): Spearman's rho against the current retention
+table of ``floor_nll`` alone and of ``floor_nll + (1 - floor_nll) x CTI`` (the form ``cti_floor.py`` uses),
+pooled, per workload and on the pure-KV points, next to the CTI and to the generation floor of
+``docs/results/receiver_floors.json`` (and its combination) on the same points. Calibration examples share no
+question with retention (evaluation split), so nothing is cross-fitted.
+
+    python benchmarks/cti_likelihood_floor.py --out docs/results/cti_likelihood_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cachecert_agents.cli import write_json_atomic
+from cachecert_agents.eval.cti_eval import correlate, grouped_spearman
+from cachecert_agents.eval.workloads import get_workload
+from cachecert_agents.models.handle import ModelHandle
+
+RECEIVERS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+WORKLOADS = ("hotpotqa", "musique", "squad-long", "tool-results")
+
+
+@torch.inference_mode()
+def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: str) -> float:
+    """Mean negative log-likelihood (nats per token) of ``answer`` teacher-forced after the receiver's prompt of
+    ``context`` and ``instruction`` (a space is put before the answer when the prompt does not end in
+    whitespace, e.g. a base model's ``Answer:``)."""
+    prompt = receiver.format_prompt(context, instruction)
+    tail = receiver.tokenizer.decode(prompt.suffix_ids[-1:]) if prompt.suffix_ids.numel() else ""
+    sep = "" if tail[-1:].isspace() else " "
+    answer_ids = torch.tensor(receiver.tokenizer(sep + answer, add_special_tokens=False)["input_ids"])
+    if answer_ids.numel() == 0:
+        raise ValueError(f"the answer {answer!r} has no tokens")
+    m = answer_ids.numel()
+    logits = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=m + 1).logits[:-1]
+    return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
+
+
+def likelihood_floor(receiver: ModelHandle, examples: list) -> dict:
+    """``floor_nll = mean p_no_context / mean p_full`` over ``examples`` (``p = exp(-answer_nll)``, first
+    reference), with both means and the per-example NLLs."""
+    full, none = [], []
+    for ex in examples:
+        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
+        none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
+    p_full = sum(math.exp(-x) for x in full) / len(full)
+    p_none = sum(math.exp(-x) for x in none) / len(none)
+    return {"n": len(examples), "p_full": p_full, "p_no_context": p_none, "floor_nll": p_none / p_full,
+            "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples]}
+
+
+def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation_floors: dict) -> dict:
+    rows = []
+    for p in correlate(pairs, transfer_rows)["points"]:
+        f = floors.get(p["receiver"], {}).get(p["workload"])
+        g = generation_floors.get((p["receiver"], p["workload"]))
+        if f is None or g is None:
+            continue  # a partial (smoke) run
+        fl = f["floor_nll"]
+        rows.append(dict(p, floor_nll=fl, floor_nll_plus_cti=fl + (1 - fl) * p["cti"], floor_generation=g,
+                         floor_generation_plus_cti=g + (1 - g) * p["cti"]))
+    keys = ("cti", "floor_nll", "floor_nll_plus_cti", "floor_generation", "floor_generation_plus_cti")
+    out = grouped_spearman(rows, keys)
+    return {"correlations": out, "points": [{k: r[k] for k in ("sender", "receiver", "workload", "method", "n",
+                                                                "retention", *keys)} for r in rows]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cti", default="docs/results/cti_k4_p1.json", help="a `cachecert cti --all` result")
+    ap.add_argument("--transfer", default="docs/results/transfer.json", help="the current retention table")
+    ap.add_argument("--generation-floors", default="docs/results/receiver_floors.json",
+                    help="the rows of `cachecert eval floor` (the generation floor compared with)")
+    ap.add_argument("--examples", type=int, default=12, help="calibration examples per receiver and workload")
+    ap.add_argument("--receivers", default=",".join(RECEIVERS), help="comma-separated (a smoke run: one)")
+    ap.add_argument("--floors", default=None,
+                    help="reuse the likelihood floors of an earlier --out instead of running the receivers")
+    ap.add_argument("--out", default="docs/results/cti_likelihood_floor.json")
+    args = ap.parse_args()
+    command = shlex.join(["python", *sys.argv])
+    floors_command = command
+    if args.floors:
+        earlier = json.loads(Path(args.floors).read_text())
+        floors, floors_command = earlier["floors"], earlier.get("floors_command", earlier["command"])
+    else:
+        floors = {}
+        for name in tqdm(args.receivers.split(","), desc="receivers"):
+            receiver = ModelHandle.load(name)
+            floors[name] = {w: likelihood_floor(receiver, get_workload(w).examples("calibration",
+                                                                                   limit=args.examples))
+                            for w in tqdm(WORKLOADS, desc=name, leave=False)}
+            del receiver
+    generation = {(r["receiver"], r["workload"]): r["floor"]
+                  for r in json.loads(Path(args.generation_floors).read_text())["results"]}
+    pairs = json.loads(Path(args.cti).read_text())["results"]["pairs"]
+    result = analyse(pairs, json.loads(Path(args.transfer).read_text())["results"], floors, generation)
+    out = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(), "cti_file": args.cti,
+           "transfer_file": args.transfer, "generation_floors_file": args.generation_floors,
+           "examples": args.examples, **result, "floors_command": floors_command, "floors": floors}
+    write_json_atomic(Path(args.out), out)
+    for name, c in result["correlations"].items():
+        print(f"{name:>13} n={c['n_points']:>2}  CTI {c['spearman_cti']:+.3f}  nll-floor {c['spearman_floor_nll']:+.3f}"
+              f"  +CTI {c['spearman_floor_nll_plus_cti']:+.3f}  gen-floor {c['spearman_floor_generation']:+.3f}"
+              f"  +CTI {c['spearman_floor_generation_plus_cti']:+.3f}")
+
+
+if __name__ == "__main__":
+    main()
