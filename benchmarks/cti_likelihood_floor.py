@@ -7,7 +7,8 @@ evaluation split's floor is 0.46, and ``floor + (1 - floor) x CTI`` then ranks 0
 the same ratio without generating: on the first ``--examples`` calibration examples of each workload the receiver
 reads the reference answer teacher-forced, once after the full prompt and once after the instruction alone, and
 ``p = exp(-mean NLL per answer token)`` (the geometric-mean probability of the answer's tokens) stands in for the
-task score: ``floor_nll = mean p_no_context / mean p_full``. Receiver only; no sender, mapper or generation.
+task score: ``floor_nll = mean p_no_context / mean p_full`` (``eval/receiver_floor.likelihood_floor``, also ``cachecert eval
+floor --measure likelihood``). Receiver only; no sender, mapper or generation.
 
 Analysis fixed before any figure was seen (thirty-fifth session): Spearman's rho against the current retention
 table of ``floor_nll`` alone and of ``floor_nll + (1 - floor_nll) x CTI`` (the form ``cti_floor.py`` uses),
@@ -24,15 +25,16 @@ import argparse
 import datetime as dt
 import json
 import math
+import random
 import shlex
 import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cti_eval import correlate, grouped_spearman
+from cachecert_agents.eval.receiver_floor import likelihood_floor
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.models.handle import ModelHandle
 
@@ -40,33 +42,36 @@ RECEIVERS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder
 WORKLOADS = ("hotpotqa", "musique", "squad-long", "tool-results")
 
 
-@torch.inference_mode()
-def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: str) -> float:
-    """Mean negative log-likelihood (nats per token) of ``answer`` teacher-forced after the receiver's prompt of
-    ``context`` and ``instruction`` (a space is put before the answer when the prompt does not end in
-    whitespace, e.g. a base model's ``Answer:``)."""
-    prompt = receiver.format_prompt(context, instruction)
-    tail = receiver.tokenizer.decode(prompt.suffix_ids[-1:]) if prompt.suffix_ids.numel() else ""
-    sep = "" if tail[-1:].isspace() else " "
-    answer_ids = torch.tensor(receiver.tokenizer(sep + answer, add_special_tokens=False)["input_ids"])
-    if answer_ids.numel() == 0:
-        raise ValueError(f"the answer {answer!r} has no tokens")
-    m = answer_ids.numel()
-    logits = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=m + 1).logits[:-1]
-    return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
+def _floors_from(floors: dict, pick) -> dict:
+    """The floors recomputed from the stored per-example NLLs of the examples ``pick(n)`` returns (indices)."""
+    out: dict = {}
+    for receiver, by_workload in floors.items():
+        for workload, f in by_workload.items():
+            idx = pick(len(f["nll_full"]))
+            p_full = sum(math.exp(-f["nll_full"][i]) for i in idx)
+            p_none = sum(math.exp(-f["nll_no_context"][i]) for i in idx)
+            out.setdefault(receiver, {})[workload] = {"floor": p_none / p_full}
+    return out
 
 
-def likelihood_floor(receiver: ModelHandle, examples: list) -> dict:
-    """``floor_nll = mean p_no_context / mean p_full`` over ``examples`` (``p = exp(-answer_nll)``, first
-    reference), with both means and the per-example NLLs."""
-    full, none = [], []
-    for ex in examples:
-        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
-        none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
-    p_full = sum(math.exp(-x) for x in full) / len(full)
-    p_none = sum(math.exp(-x) for x in none) / len(none)
-    return {"n": len(examples), "p_full": p_full, "p_no_context": p_none, "floor_nll": p_none / p_full,
-            "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples]}
+def robustness(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation: dict, resamples: int,
+               seed: int) -> dict:
+    """Added after the pre-registered figures were seen: how the pooled combination moves when the floors rest on
+    the first 4 (the CTI's own calibration examples) or 8 examples, and its spread over ``resamples`` bootstrap
+    draws of each floor's examples (with replacement), against the CTI's pooled figure."""
+    def pooled(f: dict) -> dict:
+        return analyse(pairs, transfer_rows, f, generation)["correlations"]["pooled"]
+
+    first = {str(k): {key: pooled(_floors_from(floors, lambda n, k=k: range(min(k, n))))[f"spearman_{key}"]
+                      for key in ("floor_nll", "floor_nll_plus_cti")} for k in (4, 8)}
+    rng = random.Random(seed)
+    draws = sorted(pooled(_floors_from(floors, lambda n: [rng.randrange(n) for _ in range(n)]))
+                   ["spearman_floor_nll_plus_cti"] for _ in range(resamples))
+    cti = pooled(floors)["spearman_cti"]
+    return {"first_examples": first, "bootstrap": {
+        "resamples": resamples, "seed": seed, "median": draws[len(draws) // 2],
+        "q05": draws[int(0.05 * len(draws))], "q95": draws[int(0.95 * len(draws)) - 1], "spearman_cti": cti,
+        "fraction_above_cti": sum(d > cti for d in draws) / len(draws)}}
 
 
 def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation_floors: dict) -> dict:
@@ -76,7 +81,7 @@ def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generati
         g = generation_floors.get((p["receiver"], p["workload"]))
         if f is None or g is None:
             continue  # a partial (smoke) run
-        fl = f["floor_nll"]
+        fl = f["floor"]
         rows.append(dict(p, floor_nll=fl, floor_nll_plus_cti=fl + (1 - fl) * p["cti"], floor_generation=g,
                          floor_generation_plus_cti=g + (1 - g) * p["cti"]))
     keys = ("cti", "floor_nll", "floor_nll_plus_cti", "floor_generation", "floor_generation_plus_cti")
@@ -95,6 +100,8 @@ def main() -> None:
     ap.add_argument("--receivers", default=",".join(RECEIVERS), help="comma-separated (a smoke run: one)")
     ap.add_argument("--floors", default=None,
                     help="reuse the likelihood floors of an earlier --out instead of running the receivers")
+    ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cti_likelihood_floor.json")
     args = ap.parse_args()
     command = shlex.join(["python", *sys.argv])
@@ -102,18 +109,22 @@ def main() -> None:
     if args.floors:
         earlier = json.loads(Path(args.floors).read_text())
         floors, floors_command = earlier["floors"], earlier.get("floors_command", earlier["command"])
+        for by_workload in floors.values():  # the first run of this script named the floor "floor_nll"
+            for f in by_workload.values():
+                f.setdefault("floor", f.get("floor_nll"))
     else:
         floors = {}
         for name in tqdm(args.receivers.split(","), desc="receivers"):
             receiver = ModelHandle.load(name)
-            floors[name] = {w: likelihood_floor(receiver, get_workload(w).examples("calibration",
-                                                                                   limit=args.examples))
-                            for w in tqdm(WORKLOADS, desc=name, leave=False)}
+            floors[name] = {w: likelihood_floor(receiver, get_workload(w), args.examples) for w in WORKLOADS}
             del receiver
     generation = {(r["receiver"], r["workload"]): r["floor"]
                   for r in json.loads(Path(args.generation_floors).read_text())["results"]}
     pairs = json.loads(Path(args.cti).read_text())["results"]["pairs"]
-    result = analyse(pairs, json.loads(Path(args.transfer).read_text())["results"], floors, generation)
+    transfer_rows = json.loads(Path(args.transfer).read_text())["results"]
+    result = analyse(pairs, transfer_rows, floors, generation)
+    result["robustness_exploratory"] = robustness(pairs, transfer_rows, floors, generation, args.resamples,
+                                                  args.seed)
     out = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(), "cti_file": args.cti,
            "transfer_file": args.transfer, "generation_floors_file": args.generation_floors,
            "examples": args.examples, **result, "floors_command": floors_command, "floors": floors}
@@ -122,6 +133,7 @@ def main() -> None:
         print(f"{name:>13} n={c['n_points']:>2}  CTI {c['spearman_cti']:+.3f}  nll-floor {c['spearman_floor_nll']:+.3f}"
               f"  +CTI {c['spearman_floor_nll_plus_cti']:+.3f}  gen-floor {c['spearman_floor_generation']:+.3f}"
               f"  +CTI {c['spearman_floor_generation_plus_cti']:+.3f}")
+    print(json.dumps(result["robustness_exploratory"]))
 
 
 if __name__ == "__main__":

@@ -530,11 +530,14 @@ def _cmd_eval_floor(args: argparse.Namespace) -> int:
     """The receiver's no-context floor on each workload's calibration split (``eval/receiver_floor.py``)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.receiver_floor import receiver_floor
+    from cachecert_agents.eval.receiver_floor import likelihood_floor, receiver_floor
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
     from cachecert_agents.models.registry import EMBEDDED_MODELS, require_installed
 
+    if args.out is None:
+        args.out = ("docs/results/receiver_floors.json" if args.measure == "generation"
+                    else "docs/results/receiver_floors_likelihood.json")
     _read_results(args.out or None, "--out")  # a file that is not a results file fails before any work
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
     for w in workloads:
@@ -545,13 +548,16 @@ def _cmd_eval_floor(args: argparse.Namespace) -> int:
     rows = []
     for w in workloads:
         try:
-            row = receiver_floor(receiver, w, args.n, Path(args.results_dir))
+            row = (receiver_floor(receiver, w, args.n, Path(args.results_dir)) if args.measure == "generation"
+                   else likelihood_floor(receiver, w, args.n))
         except ValueError as exc:
             raise CacheCertError(str(exc)) from exc
         rows.append(row)
         if not args.json:
-            print(f"{row['receiver']} {row['workload']} (calibration, n={row['n']}): full {row['score_full']:.3f} "
-                  f"no context {row['score_no_context']:.3f} floor {row['floor']:.3f}")
+            full, none = ((row["score_full"], row["score_no_context"]) if args.measure == "generation"
+                          else (row["p_full"], row["p_no_context"]))
+            print(f"{row['receiver']} {row['workload']} (calibration, n={row['n']}, {args.measure}): full {full:.3f} "
+                  f"no context {none:.3f} floor {row['floor']:.3f}")
     if args.out:
         _merge_rows(args.out, rows, key=("receiver", "workload"))
     _emit(rows, args.json)
@@ -630,10 +636,12 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
 
 def _cmd_cti(args: argparse.Namespace) -> int:
     """The index of one pair, or of every pair with statistics (--all) correlated with measured retention."""
+    import time
     from pathlib import Path
 
     from cachecert_agents.eval.cti_eval import (correlate, pair_attention_cosine, pair_cti, pairs_with_mappers,
-                                                small_cti_inputs)
+                                                small_cti_inputs, with_receiver_floor)
+    from cachecert_agents.eval.receiver_floor import likelihood_floor
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -657,6 +665,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
         raise CacheCertError("give --pair SENDER:RECEIVER or --all")
     results = []
     receivers: dict[str, ModelHandle] = {}
+    floors: dict[tuple[str, str], tuple[dict, float]] = {}  # (receiver, workload) -> likelihood floor, seconds
     for workload in workloads:
         if args.all:
             # every pair with a mapper on the workload; in the cross-workload check with the index's own
@@ -681,6 +690,12 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                                        args.propagation_contexts, gcv=gcv) if args.statistics_contexts else None)
             r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
                          inputs, gcv=gcv)
+            if args.floor_examples:  # a receiver-and-workload property: measured once per run, shared by senders
+                if (receiver, workload.name) not in floors:
+                    t0 = time.perf_counter()
+                    row = likelihood_floor(receivers[receiver], workload, args.floor_examples)
+                    floors[(receiver, workload.name)] = row, time.perf_counter() - t0
+                r = with_receiver_floor(r, *floors[(receiver, workload.name)])
             if args.cosine_examples:
                 r["baselines"]["attention_cosine"] = pair_attention_cosine(sender_handle, receivers[receiver],
                                                                            workload, args.cosine_examples)
@@ -691,7 +706,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                       f"{r['mean_deviation']:.4g}  worst layer {r['worst_layer']} ({r['worst_deviation']:.4g})  "
                       f"baselines: R^2 {r['baselines']['r2']:.3f}, 1-residual "
                       f"{r['baselines']['residual_fraction']:.3f}  splits: "
-                      + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items()))
+                      + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items())
+                      + (f"  floor {r['receiver_floor']['floor']:.3f}, floor-adjusted {r['cti_with_floor']:.3f}"
+                         if "receiver_floor" in r else ""))
     workload = workloads[0]
     if earlier is not None and not args.retention_workload:
         results = _merge_cti_pairs(earlier["pairs"], results, args.out)
@@ -710,7 +727,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                 print(f"Spearman vs retention ({name}, {c['n_points']} points): CTI {c['spearman_cti']:.3f}, "
                       f"1-residual {c['spearman_residual_fraction']:.3f}, R^2 {c['spearman_r2']:.3f}"
                       + (f", attention-output cosine {c['spearman_attention_cosine']:.3f} "
-                         f"({c['n_points_attention_cosine']} points)" if "spearman_attention_cosine" in c else ""))
+                         f"({c['n_points_attention_cosine']} points)" if "spearman_attention_cosine" in c else "")
+                      + (f", floor-adjusted CTI {c['spearman_cti_with_floor']:.3f} "
+                         f"({c['n_points_cti_with_floor']} points)" if "spearman_cti_with_floor" in c else ""))
         if args.out:
             write_result_file(args.out, payload)
             from cachecert_agents.eval.cti_report import write_cti_report
@@ -1255,8 +1274,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=_positive_int, default=20, help="the first N calibration examples")
     p.add_argument("--results-dir", default="docs/results/transfer",
                    help="per-example records (resumable), under floor/")
-    p.add_argument("--out", default="docs/results/receiver_floors.json",
-                   help="merge one row per receiver and workload into this file ('' to skip)")
+    p.add_argument("--measure", choices=("generation", "likelihood"), default="generation",
+                   help="generation: answer with and without the context and score both (task-score units); "
+                        "likelihood: read the reference answer teacher-forced after either prompt and compare the "
+                        "mean per-token probabilities (no generation; docs/cti.md, thirty-fifth session)")
+    p.add_argument("--out", default=None,
+                   help="merge one row per receiver and workload into this file ('' to skip; default "
+                        "docs/results/receiver_floors.json, or receiver_floors_likelihood.json with --measure "
+                        "likelihood)")
     p.add_argument("--device", default="cpu", help="torch device the model runs on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval_floor)
@@ -1334,6 +1359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cosine-examples", type=_non_negative_int, default=0,
                    help="also the attention-output cosine baseline of the fitted mapper on this many evaluation "
                         "examples (needs the mapper and both models; the expensive predictor CTI replaces)")
+    p.add_argument("--floor-examples", type=_non_negative_int, default=0, metavar="N",
+                   help="also the receiver's likelihood floor on N calibration examples (teacher-forced reference "
+                        "answers with and without the context; receiver only, needs the workload's references) and "
+                        "the floor-adjusted index floor + (1 - floor) x CTI (docs/cti.md, thirty-fifth session)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")

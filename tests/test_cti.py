@@ -588,30 +588,34 @@ def test_cross_workload_benchmark_reads_the_index_of_the_named_text(monkeypatch)
     assert own["cti"] == 2.0 and other["cti"] == 1.0 and other["workload"] == "musique"
 
 
-def test_likelihood_floor_benchmark_scores_the_answer_tokens_only(monkeypatch, tiny_tokenizer):
-    """benchmarks/cti_likelihood_floor.py: the answer's NLL is the cross-entropy of the answer tokens under the
-    logits of the positions before them (a full forward, all logits kept), and the floor is the ratio of the
-    mean per-token probabilities without and with the context."""
-    import importlib
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    bench = importlib.import_module("cti_likelihood_floor")
-    handle = ModelHandle("tiny", tiny_model("llama", seed=7), tiny_tokenizer)
-    context, instruction, answer = "the cat sat on the mat " * 3, "where?", "on the mat"
-    got = bench.answer_nll(handle, context, instruction, answer)
-    prompt = handle.format_prompt(context, instruction)
-    tail = handle.tokenizer.decode(prompt.suffix_ids[-1:])
-    ids = torch.tensor(handle.tokenizer(("" if tail[-1:].isspace() else " ") + answer,
-                                        add_special_tokens=False)["input_ids"])
-    n = len(prompt)
-    logits = handle.forward(torch.cat([prompt.input_ids, ids])).logits
-    want = torch.nn.functional.cross_entropy(logits[n - 1:n - 1 + ids.numel()].float(), ids)
-    assert got == pytest.approx(float(want), rel=1e-5)
+def test_floor_adjusted_index_is_ranked_beside_the_cti():
+    """``cti_eval.with_receiver_floor``: ``f + (1 - f) x CTI`` for pure KV and every split, the floor's cost
+    charged; ``correlate`` ranks it on the points that have it; a floor of another receiver is refused."""
+    from cachecert_agents.eval.cti_eval import correlate, with_receiver_floor
 
-    class Ex:
-        id, references = "e", [answer]
+    def pair(receiver, cti):
+        return {"sender": "s", "receiver": receiver, "workload": "w", "cti": cti, "cost": {"index_s": 1.0},
+                "splits": {"4": {"cti": cti, "residual_fraction": 0.5}}, "baselines": {"r2": 0.5}}
 
-    Ex.context, Ex.instruction = context, instruction
-    floor = bench.likelihood_floor(handle, [Ex()])
-    assert floor["floor_nll"] == pytest.approx(math.exp(-floor["nll_no_context"][0]) / math.exp(-floor["nll_full"][0]))
+    def floor(receiver, f):
+        return {"receiver": receiver, "workload": "w", "measure": "likelihood", "n": 4, "floor": f, "p_full": 0.5,
+                "p_no_context": 0.5 * f, "receiver_weights": "x"}
+
+    # the CTI orders the receivers a < b < c; retention follows the floor (c's is lowest)
+    pairs = [with_receiver_floor(pair("a", 0.6), floor("a", 0.9), 2.0),
+             with_receiver_floor(pair("b", 0.7), floor("b", 0.5), 2.0),
+             with_receiver_floor(pair("c", 0.8), floor("c", 0.1), 2.0)]
+    assert pairs[1]["cti_with_floor"] == pytest.approx(0.5 + 0.5 * 0.7)
+    assert pairs[1]["splits"]["4"]["cti_with_floor"] == pairs[1]["cti_with_floor"]
+    assert pairs[1]["cost"] == {"index_s": 1.0, "floor_s": 2.0} and pairs[1]["receiver_floor"]["floor"] == 0.5
+    rows = [{"sender": "s", "receiver": r, "workload": "w", "method": "ridge-kv", "n": 10, "retention": ret,
+             "score_full": 1.0, "score_no_context": 0.1, "score_transfer": ret} for r, ret in
+            (("a", 0.95), ("b", 0.8), ("c", 0.5))]
+    corr = correlate(pairs, rows)["correlations"]["pooled"]
+    assert corr["spearman_cti"] == pytest.approx(-1.0) and corr["spearman_cti_with_floor"] == pytest.approx(1.0)
+    assert corr["n_points_cti_with_floor"] == 3
+    assert "spearman_cti_with_floor" not in correlate([pair("a", 0.6), pair("b", 0.7), pair("c", 0.8)],
+                                                      rows)["correlations"]["pooled"]
+    with pytest.raises(ValueError, match="does not belong"):
+        with_receiver_floor(pair("a", 0.6), floor("b", 0.5), 1.0)

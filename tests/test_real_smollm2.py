@@ -272,3 +272,23 @@ def test_receiver_floor_on_the_real_model(smollm2, tmp_path):
     row = receiver_floor(smollm2, wl, n=2, results_dir=tmp_path, progress=False)
     assert row["n"] == 2 and row["score_full"] > row["score_no_context"]
     assert 0 <= row["floor"] < 1
+
+
+def test_likelihood_floor_on_the_real_model(smollm2):
+    """The likelihood floor of a real receiver: the reference answer is likelier after the context than without
+    it, so the floor lies below 1."""
+    from cachecert_agents.eval.receiver_floor import likelihood_floor
+    from cachecert_agents.eval.workloads import Example, HotpotQA
+
+    class Codes(HotpotQA):
+        name = "codes"
+
+        def examples(self, split=None, limit=None):
+            out = [Example(id=str(i), workload="codes", context=f"Note {i}: the door code is {code}.",
+                           instruction="What is the door code? Reply with the code only.", references=[code],
+                           split="calibration") for i, code in enumerate(["4711", "2390"])]
+            return out[:limit]
+
+    row = likelihood_floor(smollm2, Codes(), n=2, progress=False)
+    assert row["n"] == 2 and row["p_full"] > row["p_no_context"] > 0
+    assert 0 < row["floor"] < 1

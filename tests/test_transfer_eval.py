@@ -354,6 +354,38 @@ def test_receiver_floor_is_measured_on_calibration_examples_and_resumes(tiny_tok
         receiver_floor(receiver, wl, n=3, results_dir=tmp_path / "other", progress=False)
 
 
+def test_likelihood_floor_scores_the_answer_tokens_only(tiny_tokenizer):
+    """``eval/receiver_floor.likelihood_floor``: the answer's NLL is the cross-entropy of the answer tokens under
+    the logits of the positions before them (a full forward, all logits kept), on calibration examples only, and
+    the floor is the ratio of the mean per-token probabilities without and with the context."""
+    import math
+
+    import torch
+
+    from cachecert_agents.eval.receiver_floor import answer_nll, likelihood_floor
+    from cachecert_agents.models.handle import ModelHandle
+    from tests.conftest import tiny_model, tiny_workload
+
+    handle = ModelHandle("tiny", tiny_model("llama", seed=7), tiny_tokenizer)
+    context, instruction, answer = "the cat sat on the mat " * 3, "where?", "on the mat"
+    got = answer_nll(handle, context, instruction, answer)
+    prompt = handle.format_prompt(context, instruction)
+    tail = handle.tokenizer.decode(prompt.suffix_ids[-1:])
+    ids = torch.tensor(handle.tokenizer(("" if tail[-1:].isspace() else " ") + answer,
+                                        add_special_tokens=False)["input_ids"])
+    n = len(prompt)
+    logits = handle.forward(torch.cat([prompt.input_ids, ids])).logits
+    want = torch.nn.functional.cross_entropy(logits[n - 1:n - 1 + ids.numel()].float(), ids)
+    assert got == pytest.approx(float(want), rel=1e-5)
+
+    wl = tiny_workload(["the cat sat on the mat", "a cat on a mat", "evaluation only"], n_calibration=2)
+    row = likelihood_floor(handle, wl, n=10, progress=False)
+    assert row["n"] == 2 and row["subset"] == "calibration" and row["measure"] == "likelihood"
+    p_full = sum(math.exp(-x) for x in row["nll_full"]) / 2
+    p_none = sum(math.exp(-x) for x in row["nll_no_context"]) / 2
+    assert row["floor"] == pytest.approx(p_none / p_full) and row["ids"] == [e.id for e in wl.examples("calibration")]
+
+
 def test_eval_floor_cli_merges_rows_and_refuses_bad_input(tmp_path, capsys):
     from cachecert_agents.cli import main
 

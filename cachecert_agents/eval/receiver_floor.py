@@ -6,14 +6,21 @@ score_full``, the *floor*; retention decomposes as ``floor + (1 - floor) * conte
 sender or mapper runs, and one measurement serves every sender into that receiver. It is measured here on the
 workload's **calibration** split, so it shares no question (and no noise) with the retention it is compared with,
 which is measured on the evaluation split (``benchmarks/cti_floor.py``).
+
+Two measurements: :func:`receiver_floor` generates both answers and scores them (task-score units, the
+definition above); :func:`likelihood_floor` generates nothing: the receiver reads the reference answer
+teacher-forced after either prompt, and the geometric-mean probability of its tokens stands in for the score
+(``benchmarks/cti_likelihood_floor.py`` ranks retention with it; docs/cti.md, thirty-fifth session).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from cachecert_agents.eval.transfer_eval import current_records, record_settings
@@ -66,3 +73,41 @@ def receiver_floor(receiver: ModelHandle, workload: Workload, n: int, results_di
     return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "n": len(examples),
             "score_full": sum(full) / len(full), "score_no_context": sum(no_context) / len(no_context),
             "floor": sum(no_context) / sum(full), "receiver_weights": receiver.weights_fingerprint}
+
+
+@torch.inference_mode()
+def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: str) -> float:
+    """Mean negative log-likelihood (nats per token) of ``answer`` teacher-forced after the receiver's prompt of
+    ``context`` and ``instruction`` (one forward; a space goes before the answer when the prompt does not end in
+    whitespace, e.g. a base model's ``Answer:``). ``ValueError`` when the answer has no tokens."""
+    prompt = receiver.format_prompt(context, instruction)
+    tail = receiver.tokenizer.decode(prompt.suffix_ids[-1:]) if prompt.suffix_ids.numel() else ""
+    sep = "" if tail[-1:].isspace() else " "
+    answer_ids = torch.tensor(receiver.tokenizer(sep + answer, add_special_tokens=False)["input_ids"],
+                              dtype=torch.long)
+    if answer_ids.numel() == 0:
+        raise ValueError(f"the answer {answer!r} has no tokens")
+    m = answer_ids.numel()
+    logits = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=m + 1).logits[:-1]
+    return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
+
+
+def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True) -> dict[str, Any]:
+    """The floor without generation, on the first ``n`` calibration examples of ``workload``: ``floor = mean
+    p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
+    probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
+    means, the per-example NLLs and their example ids, and the receiver's weights fingerprint; ``ValueError`` when
+    the workload has no calibration example."""
+    examples = workload.examples("calibration")[:n]
+    if not examples:
+        raise ValueError(f"{workload.name} has no calibration example to measure the floor on")
+    full, none = [], []
+    for ex in tqdm(examples, desc=f"likelihood floor {receiver.name} {workload.name}", disable=not progress):
+        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
+        none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
+    p_full = sum(math.exp(-x) for x in full) / len(full)
+    p_none = sum(math.exp(-x) for x in none) / len(none)
+    return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "measure": "likelihood",
+            "n": len(examples), "p_full": p_full, "p_no_context": p_none, "floor": p_none / p_full,
+            "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples],
+            "receiver_weights": receiver.weights_fingerprint}
