@@ -97,7 +97,7 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
     p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
     probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
     means, the per-example NLLs and their example ids, and the receiver's weights fingerprint; ``ValueError`` when
-    the workload has no calibration example."""
+    the workload has no calibration example or the full-context probability underflows to 0 everywhere."""
     examples = workload.examples("calibration")[:n]
     if not examples:
         raise ValueError(f"{workload.name} has no calibration example to measure the floor on")
@@ -107,6 +107,9 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
         none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
     p_full = sum(math.exp(-x) for x in full) / len(full)
     p_none = sum(math.exp(-x) for x in none) / len(none)
+    if not p_full > 0:
+        raise ValueError(f"{receiver.name} gives the reference answers of {workload.name} probability 0 with the "
+                         f"full context on all {len(examples)} calibration examples: the floor is undefined")
     return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "measure": "likelihood",
             "n": len(examples), "p_full": p_full, "p_no_context": p_none, "floor": p_none / p_full,
             "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples],
