@@ -343,7 +343,9 @@ def with_receiver_floor(result: dict[str, Any], floor_row: dict[str, Any], secon
     :func:`~cachecert_agents.eval.receiver_floor.likelihood_floor` on the same workload) and the floor-adjusted
     index ``f + (1 - f) x CTI`` for pure KV (``cti_with_floor``) and every split. Retention decomposes as ``floor +
     (1 - floor) x context_gain``; the CTI stands in for the context gain, with no fitted constant (docs/cti.md,
-    thirty-fifth session: 0.725 pooled against the CTI's 0.624). ``seconds`` is charged to ``cost.floor_s``
+    thirty-fifth session: 0.725 pooled against the CTI's 0.624). A floor above 1 (the receiver does better
+    without the context) reverses a pair's order of methods, as the decomposition says it should: the more of the
+    context a transfer carries, the lower its retention. ``seconds`` is charged to ``cost.floor_s``
     (shared by every sender into this receiver on this workload). ``ValueError`` when the row is another
     receiver's or workload's."""
     if (floor_row["receiver"], floor_row["workload"]) != (result["receiver"], result["workload"]):
