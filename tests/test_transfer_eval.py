@@ -384,6 +384,11 @@ def test_likelihood_floor_scores_the_answer_tokens_only(tiny_tokenizer):
     p_full = sum(math.exp(-x) for x in row["nll_full"]) / 2
     p_none = sum(math.exp(-x) for x in row["nll_no_context"]) / 2
     assert row["floor"] == pytest.approx(p_none / p_full) and row["ids"] == [e.id for e in wl.examples("calibration")]
+    no_reference = tiny_workload(["the cat sat on the mat"], n_calibration=1)
+    no_reference.examples = lambda split=None, limit=None: [e.model_copy(update={"references": []})
+                                                            for e in wl.examples(split, limit)]
+    with pytest.raises(ValueError, match="no reference answer"):
+        likelihood_floor(handle, no_reference, n=1, progress=False)
 
 
 def test_eval_floor_cli_merges_rows_and_refuses_bad_input(tmp_path, capsys):

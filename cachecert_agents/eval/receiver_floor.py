@@ -97,10 +97,15 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
     p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
     probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
     means, the per-example NLLs and their example ids, and the receiver's weights fingerprint; ``ValueError`` when
-    the workload has no calibration example or the full-context probability underflows to 0 everywhere."""
+    the workload has no calibration example, an example has no reference answer, or the full-context probability
+    underflows to 0 everywhere."""
     examples = workload.examples("calibration")[:n]
     if not examples:
         raise ValueError(f"{workload.name} has no calibration example to measure the floor on")
+    missing = [ex.id for ex in examples if not ex.references or not ex.references[0].strip()]
+    if missing:
+        raise ValueError(f"{workload.name}: calibration example(s) {missing[:5]} have no reference answer to read; "
+                         "the likelihood floor needs one per example (use --measure generation)")
     full, none = [], []
     for ex in tqdm(examples, desc=f"likelihood floor {receiver.name} {workload.name}", disable=not progress):
         full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
