@@ -33,7 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
-from cachecert_agents.eval.cti_eval import correlate, grouped_spearman
+from cachecert_agents.eval.cti_eval import correlate, grouped_spearman, predicted_retention
 from cachecert_agents.eval.receiver_floor import likelihood_floor
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.models.handle import ModelHandle
@@ -60,18 +60,21 @@ def robustness(pairs: list[dict], transfer_rows: list[dict], floors: dict, gener
     the first 4 (the CTI's own calibration examples) or 8 examples, and its spread over ``resamples`` bootstrap
     draws of each floor's examples (with replacement), against the CTI's pooled figure."""
     def pooled(f: dict) -> dict:
-        return analyse(pairs, transfer_rows, f, generation)["correlations"]["pooled"]
+        result = analyse(pairs, transfer_rows, f, generation)
+        return result["correlations"]["pooled"] | result["correlations_exploratory_scale_free"]["pooled"]
 
+    keys = ("floor_nll", "floor_nll_plus_cti", "predicted_retention")
     first = {str(k): {key: pooled(_floors_from(floors, lambda n, k=k: range(min(k, n))))[f"spearman_{key}"]
-                      for key in ("floor_nll", "floor_nll_plus_cti")} for k in (4, 8)}
+                      for key in keys} for k in (4, 8)}
     rng = random.Random(seed)
-    draws = sorted(pooled(_floors_from(floors, lambda n: [rng.randrange(n) for _ in range(n)]))
-                   ["spearman_floor_nll_plus_cti"] for _ in range(resamples))
+    draws = [pooled(_floors_from(floors, lambda n: [rng.randrange(n) for _ in range(n)])) for _ in range(resamples)]
     cti = pooled(floors)["spearman_cti"]
-    return {"first_examples": first, "bootstrap": {
-        "resamples": resamples, "seed": seed, "median": draws[len(draws) // 2],
-        "q05": draws[int(0.05 * len(draws))], "q95": draws[int(0.95 * len(draws)) - 1], "spearman_cti": cti,
-        "fraction_above_cti": sum(d > cti for d in draws) / len(draws)}}
+    boot = {"resamples": resamples, "seed": seed, "spearman_cti": cti}
+    for key in keys[1:]:
+        d = sorted(x[f"spearman_{key}"] for x in draws)
+        boot[key] = {"median": d[len(d) // 2], "q05": d[int(0.05 * len(d))], "q95": d[int(0.95 * len(d)) - 1],
+                     "fraction_above_cti": sum(v > cti for v in d) / len(d)}
+    return {"first_examples": first, "bootstrap": boot}
 
 
 def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation_floors: dict) -> dict:
@@ -82,12 +85,19 @@ def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generati
         if f is None or g is None:
             continue  # a partial (smoke) run
         fl = f["floor"]
+        deviation = 10 ** -p["cti"]  # the index's predicted relative deviation (CTI = -log10 of it)
         rows.append(dict(p, floor_nll=fl, floor_nll_plus_cti=fl + (1 - fl) * p["cti"], floor_generation=g,
-                         floor_generation_plus_cti=g + (1 - g) * p["cti"]))
+                         floor_generation_plus_cti=g + (1 - g) * p["cti"],
+                         predicted_retention=predicted_retention(fl, deviation),
+                         predicted_retention_generation_floor=predicted_retention(g, deviation)))
     keys = ("cti", "floor_nll", "floor_nll_plus_cti", "floor_generation", "floor_generation_plus_cti")
-    out = grouped_spearman(rows, keys)
-    return {"correlations": out, "points": [{k: r[k] for k in ("sender", "receiver", "workload", "method", "n",
-                                                                "retention", *keys)} for r in rows]}
+    # exploratory, added after the figures above were seen (a review found the fixed form depends on the index's
+    # log scale: on ln instead of log10 it ranks 0.148): the scale-free 1 - (1 - floor) x 10^-CTI
+    later = ("cti", "predicted_retention", "predicted_retention_generation_floor")
+    return {"correlations": grouped_spearman(rows, keys),
+            "correlations_exploratory_scale_free": grouped_spearman(rows, later),
+            "points": [{k: r[k] for k in ("sender", "receiver", "workload", "method", "n", "retention", *keys,
+                                           *later[1:])} for r in rows]}
 
 
 def main() -> None:
@@ -100,10 +110,12 @@ def main() -> None:
     ap.add_argument("--receivers", default=",".join(RECEIVERS), help="comma-separated (a smoke run: one)")
     ap.add_argument("--floors", default=None,
                     help="reuse the likelihood floors of an earlier --out instead of running the receivers")
-    ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples")
+    ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples (>= 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cti_likelihood_floor.json")
     args = ap.parse_args()
+    if args.resamples < 1 or args.examples < 1:
+        ap.error("--resamples and --examples must be at least 1")
     command = shlex.join(["python", *sys.argv])
     floors_command = command
     if args.floors:
@@ -133,6 +145,9 @@ def main() -> None:
         print(f"{name:>13} n={c['n_points']:>2}  CTI {c['spearman_cti']:+.3f}  nll-floor {c['spearman_floor_nll']:+.3f}"
               f"  +CTI {c['spearman_floor_nll_plus_cti']:+.3f}  gen-floor {c['spearman_floor_generation']:+.3f}"
               f"  +CTI {c['spearman_floor_generation_plus_cti']:+.3f}")
+    c = result["correlations_exploratory_scale_free"]
+    print("exploratory, 1 - (1 - floor) x 10^-CTI: " + ", ".join(
+        f"{name} {g['spearman_predicted_retention']:+.3f}" for name, g in c.items()))
     print(json.dumps(result["robustness_exploratory"]))
 
 

@@ -530,7 +530,7 @@ def _cmd_eval_floor(args: argparse.Namespace) -> int:
     """The receiver's no-context floor on each workload's calibration split (``eval/receiver_floor.py``)."""
     from pathlib import Path
 
-    from cachecert_agents.eval.receiver_floor import likelihood_floor, receiver_floor
+    from cachecert_agents.eval.receiver_floor import likelihood_floor, receiver_floor, require_references
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
     from cachecert_agents.models.registry import EMBEDDED_MODELS, require_installed
@@ -538,10 +538,19 @@ def _cmd_eval_floor(args: argparse.Namespace) -> int:
     if args.out is None:
         args.out = ("docs/results/receiver_floors.json" if args.measure == "generation"
                     else "docs/results/receiver_floors_likelihood.json")
-    _read_results(args.out or None, "--out")  # a file that is not a results file fails before any work
+    existing = _read_results(args.out or None, "--out") or []  # not a results file: fails before any work
+    other = sorted({r.get("measure", "generation") for r in existing if isinstance(r, dict)} - {args.measure})
+    if other:
+        raise CacheCertError(f"--out {args.out} holds {', '.join(other)} floors; the {args.measure} floor is not "
+                             f"merged into it (the two are different measurements): pass another --out")
     workloads = [get_workload(w, data=args.data) for w in args.workload.split(",")]
     for w in workloads:
         w.examples()  # a missing or malformed data file fails now, before the model loads
+        if args.measure == "likelihood":
+            try:
+                require_references(w, args.n)
+            except ValueError as exc:
+                raise CacheCertError(str(exc)) from exc
     if args.receiver in EMBEDDED_MODELS:
         require_installed(args.receiver)
     receiver = ModelHandle.load(args.receiver, device=args.device)
@@ -641,7 +650,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
 
     from cachecert_agents.eval.cti_eval import (correlate, pair_attention_cosine, pair_cti, pairs_with_mappers,
                                                 small_cti_inputs, with_receiver_floor)
-    from cachecert_agents.eval.receiver_floor import likelihood_floor
+    from cachecert_agents.eval.receiver_floor import likelihood_floor, require_references
     from cachecert_agents.eval.transfer_eval import artifact_stem
     from cachecert_agents.eval.workloads import get_workload
     from cachecert_agents.models.handle import ModelHandle
@@ -663,6 +672,15 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                              "file of its own and does not merge into another; pass a new --out")
     if not (args.all or args.pair):
         raise CacheCertError("give --pair SENDER:RECEIVER or --all")
+    if args.floor_examples and args.retention_workload:
+        raise CacheCertError("--floor-examples with --retention-workload would adjust one workload's retention by the "
+                             "receiver's floor on another; run the cross-workload check without it")
+    if args.floor_examples:
+        for w in workloads:  # before any model loads
+            try:
+                require_references(w, args.floor_examples)
+            except ValueError as exc:
+                raise CacheCertError(f"--floor-examples: {exc}") from exc
     results = []
     receivers: dict[str, ModelHandle] = {}
     floors: dict[tuple[str, str], tuple[dict, float]] = {}  # (receiver, workload) -> likelihood floor, seconds
@@ -707,7 +725,7 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                       f"baselines: R^2 {r['baselines']['r2']:.3f}, 1-residual "
                       f"{r['baselines']['residual_fraction']:.3f}  splits: "
                       + ", ".join(f"{s}: {v['cti']:.2f}" for s, v in r["splits"].items())
-                      + (f"  floor {r['receiver_floor']['floor']:.3f}, floor-adjusted {r['cti_with_floor']:.3f}"
+                      + (f"  floor {r['receiver_floor']['floor']:.3f}, predicted retention {r['predicted_retention']:.3f}"
                          if "receiver_floor" in r else ""))
     workload = workloads[0]
     if earlier is not None and not args.retention_workload:
@@ -728,8 +746,9 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                       f"1-residual {c['spearman_residual_fraction']:.3f}, R^2 {c['spearman_r2']:.3f}"
                       + (f", attention-output cosine {c['spearman_attention_cosine']:.3f} "
                          f"({c['n_points_attention_cosine']} points)" if "spearman_attention_cosine" in c else "")
-                      + (f", floor-adjusted CTI {c['spearman_cti_with_floor']:.3f} "
-                         f"({c['n_points_cti_with_floor']} points)" if "spearman_cti_with_floor" in c else ""))
+                      + (f", predicted retention (floor) {c['spearman_predicted_retention']:.3f} "
+                         f"({c['n_points_predicted_retention']} points)" if "spearman_predicted_retention" in c
+                         else ""))
         if args.out:
             write_result_file(args.out, payload)
             from cachecert_agents.eval.cti_report import write_cti_report
@@ -1362,7 +1381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--floor-examples", type=_non_negative_int, default=0, metavar="N",
                    help="also the receiver's likelihood floor on N calibration examples (teacher-forced reference "
                         "answers with and without the context; receiver only, needs the workload's references) and "
-                        "the floor-adjusted index floor + (1 - floor) x CTI (docs/cti.md, thirty-fifth session)")
+                        "the retention it predicts with the index, 1 - (1 - floor) x 10^-CTI (docs/cti.md, "
+                        "thirty-fifth session)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")

@@ -545,9 +545,10 @@ def test_cti_floor_benchmark_takes_the_floor_from_one_half_and_retention_from_th
     assert ranked["pooled"]["floor"] == pytest.approx(-1.0) and ranked["musique"]["cti"] == pytest.approx(1.0)
 
 
-def test_suffix_statistics_benchmark_matches_the_index_proxy_and_bounds_the_mass(monkeypatch, tiny_tokenizer):
+def test_suffix_statistics_benchmark_matches_the_index_proxy_and_the_models_attention(monkeypatch, tiny_tokenizer):
     """benchmarks/cti_suffix_queries.py: its context-row concentration is the library's own proxy (the same
-    weights the query statistics sum), and at the suffix rows ``sum a^2 <= sum a <= 1`` per head."""
+    weights the query statistics sum), and its suffix-row mass and concentration are the model's own attention
+    weights on the context at the suffix rows."""
     import importlib
     from pathlib import Path
 
@@ -561,10 +562,26 @@ def test_suffix_statistics_benchmark_matches_the_index_proxy_and_bounds_the_mass
     layers = bench.suffix_statistics(handle, [Ex()])
     proxy = collect_query_statistics(handle, [(Ex.context, Ex.instruction)], progress=False)
     assert len(layers) == handle.geometry.num_layers
+    # the model's own (eager) attention weights at the suffix rows, summed over the context columns
+    prompt = handle.format_prompt(Ex.context, Ex.instruction)
+    start, end = prompt.context_span
+    attentions = handle.forward(prompt.input_ids, output_attentions=True).attentions
     for layer, stats in enumerate(layers):
         assert torch.allclose(torch.tensor(stats["conc_context"], dtype=torch.float64), proxy.conc[layer], rtol=1e-6)
-        conc, mass = torch.tensor(stats["conc_suffix"]), torch.tensor(stats["mass_suffix"])
-        assert torch.all(conc > 0) and torch.all(conc <= mass + 1e-12) and torch.all(mass <= 1 + 1e-12)
+        a = attentions[layer][:, end:, start:end].double()  # [H, suffix rows, context]
+        assert torch.allclose(torch.tensor(stats["mass_suffix"], dtype=torch.float64), a.sum(-1).mean(-1), atol=1e-4)
+        assert torch.allclose(torch.tensor(stats["conc_suffix"], dtype=torch.float64), (a * a).sum(-1).mean(-1),
+                              atol=1e-4)
+
+
+def test_cti_refuses_the_floor_in_the_cross_workload_check(cache_home, tmp_path, capsys):
+    """``cti --floor-examples`` with ``--retention-workload`` would adjust one workload's retention by the floor on
+    another: refused before any model loads."""
+    from cachecert_agents.cli import main
+
+    assert main(["cti", "--all", "--workload", "squad-long", "--retention-workload", "hotpotqa", "--floor-examples",
+                 "4", "--statistics-contexts", "4", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--floor-examples with --retention-workload" in capsys.readouterr().err
 
 
 def test_cross_workload_benchmark_reads_the_index_of_the_named_text(monkeypatch):
@@ -589,14 +606,20 @@ def test_cross_workload_benchmark_reads_the_index_of_the_named_text(monkeypatch)
 
 
 
-def test_floor_adjusted_index_is_ranked_beside_the_cti():
-    """``cti_eval.with_receiver_floor``: ``f + (1 - f) x CTI`` for pure KV and every split, the floor's cost
-    charged; ``correlate`` ranks it on the points that have it; a floor of another receiver is refused."""
-    from cachecert_agents.eval.cti_eval import correlate, with_receiver_floor
+def test_retention_predicted_with_the_floor_is_ranked_beside_the_cti():
+    """``cti_eval.with_receiver_floor``: ``1 - (1 - f) x deviation`` for pure KV and every split, the floor's cost
+    charged; ``correlate`` ranks it on the points that have it; a floor of another receiver or workload is
+    refused."""
+    from cachecert_agents.eval.cti_eval import correlate, predicted_retention, with_receiver_floor
+
+    assert predicted_retention(0.5, 0.2) == pytest.approx(0.9)
+    assert predicted_retention(1.0, 0.7) == 1.0  # a receiver that gains nothing from the context loses nothing
+    assert predicted_retention(0.3, 0.0) == 1.0  # an exact transfer
 
     def pair(receiver, cti):
-        return {"sender": "s", "receiver": receiver, "workload": "w", "cti": cti, "cost": {"index_s": 1.0},
-                "splits": {"4": {"cti": cti, "residual_fraction": 0.5}}, "baselines": {"r2": 0.5}}
+        return {"sender": "s", "receiver": receiver, "workload": "w", "cti": cti, "mean_deviation": 10 ** -cti,
+                "cost": {"index_s": 1.0}, "splits": {"4": {"cti": cti, "predicted_deviation": 10 ** -cti,
+                                                           "residual_fraction": 0.5}}, "baselines": {"r2": 0.5}}
 
     def floor(receiver, f):
         return {"receiver": receiver, "workload": "w", "measure": "likelihood", "n": 4, "floor": f, "p_full": 0.5,
@@ -606,16 +629,22 @@ def test_floor_adjusted_index_is_ranked_beside_the_cti():
     pairs = [with_receiver_floor(pair("a", 0.6), floor("a", 0.9), 2.0),
              with_receiver_floor(pair("b", 0.7), floor("b", 0.5), 2.0),
              with_receiver_floor(pair("c", 0.8), floor("c", 0.1), 2.0)]
-    assert pairs[1]["cti_with_floor"] == pytest.approx(0.5 + 0.5 * 0.7)
-    assert pairs[1]["splits"]["4"]["cti_with_floor"] == pairs[1]["cti_with_floor"]
+    assert pairs[1]["predicted_retention"] == pytest.approx(1 - 0.5 * 10 ** -0.7)
+    assert pairs[1]["splits"]["4"]["predicted_retention"] == pairs[1]["predicted_retention"]
     assert pairs[1]["cost"] == {"index_s": 1.0, "floor_s": 2.0} and pairs[1]["receiver_floor"]["floor"] == 0.5
+    assert pairs[0]["receiver_floor"]["workload"] == "w"
     rows = [{"sender": "s", "receiver": r, "workload": "w", "method": "ridge-kv", "n": 10, "retention": ret,
              "score_full": 1.0, "score_no_context": 0.1, "score_transfer": ret} for r, ret in
             (("a", 0.95), ("b", 0.8), ("c", 0.5))]
     corr = correlate(pairs, rows)["correlations"]["pooled"]
-    assert corr["spearman_cti"] == pytest.approx(-1.0) and corr["spearman_cti_with_floor"] == pytest.approx(1.0)
-    assert corr["n_points_cti_with_floor"] == 3
-    assert "spearman_cti_with_floor" not in correlate([pair("a", 0.6), pair("b", 0.7), pair("c", 0.8)],
-                                                      rows)["correlations"]["pooled"]
+    assert corr["spearman_cti"] == pytest.approx(-1.0) and corr["spearman_predicted_retention"] == pytest.approx(1.0)
+    assert corr["n_points_predicted_retention"] == 3
+    assert "spearman_predicted_retention" not in correlate([pair("a", 0.6), pair("b", 0.7), pair("c", 0.8)],
+                                                           rows)["correlations"]["pooled"]
+    # a pair without the floor (e.g. merged from an earlier run) is left out of that figure only
+    mixed = correlate(pairs[:2] + [pair("c", 0.8)], rows)["correlations"]["pooled"]
+    assert mixed["n_points"] == 3 and mixed["n_points_predicted_retention"] == 2
     with pytest.raises(ValueError, match="does not belong"):
         with_receiver_floor(pair("a", 0.6), floor("b", 0.5), 1.0)
+    with pytest.raises(ValueError, match="does not belong"):
+        with_receiver_floor(pair("a", 0.6), dict(floor("a", 0.5), workload="other"), 1.0)

@@ -381,6 +381,10 @@ def test_likelihood_floor_scores_the_answer_tokens_only(tiny_tokenizer):
     wl = tiny_workload(["the cat sat on the mat", "a cat on a mat", "evaluation only"], n_calibration=2)
     row = likelihood_floor(handle, wl, n=10, progress=False)
     assert row["n"] == 2 and row["subset"] == "calibration" and row["measure"] == "likelihood"
+    for ex, full, none in zip(wl.examples("calibration"), row["nll_full"], row["nll_no_context"]):
+        assert full == answer_nll(handle, ex.context, ex.instruction, "mat")  # with the context
+        assert none == answer_nll(handle, "", ex.instruction, "mat")  # the instruction alone
+        assert full != none
     p_full = sum(math.exp(-x) for x in row["nll_full"]) / 2
     p_none = sum(math.exp(-x) for x in row["nll_no_context"]) / 2
     assert row["floor"] == pytest.approx(p_none / p_full) and row["ids"] == [e.id for e in wl.examples("calibration")]
@@ -393,6 +397,14 @@ def test_likelihood_floor_scores_the_answer_tokens_only(tiny_tokenizer):
 
 def test_eval_floor_cli_merges_rows_and_refuses_bad_input(tmp_path, capsys):
     from cachecert_agents.cli import main
+
+    generation = tmp_path / "generation_floors.json"  # another measurement's rows: not merged into, not touched
+    generation.write_text(json.dumps({"results": [{"receiver": "smollm2-135m", "workload": "hotpotqa", "n": 20,
+                                                   "floor": 0.5}]}))
+    before = generation.read_text()
+    assert main(["eval", "floor", "--receiver", "smollm2-135m", "--workload", "hotpotqa", "--measure", "likelihood",
+                 "--out", str(generation)]) == 2
+    assert "holds generation floors" in capsys.readouterr().err and generation.read_text() == before
 
     out = tmp_path / "floors.json"
     out.write_text("not json")

@@ -312,7 +312,7 @@ def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target
                        "method": row["method"], "n": row["n"], "retention": row.get("retention"),
                        "agreement": row.get("agreement"), "context_gain": row["context_gain"], "cti": sp["cti"],
                        "residual_fraction": sp["residual_fraction"], "r2": pred["baselines"]["r2"],
-                       "attention_cosine": cosine, "cti_with_floor": sp.get("cti_with_floor"),
+                       "attention_cosine": cosine, "predicted_retention": sp.get("predicted_retention"),
                        "pure_kv": split == max(pred["splits"], key=int)})
     out: dict[str, Any] = {"target": target, "points": points, "correlations": {}}
     # the R^2 baseline has one value per pair (pure KV), so every split of a pair ties on it: compare it with the
@@ -326,10 +326,10 @@ def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target
                                                         [p[target] for p in with_cos])
             row["spearman_cti_same_points"] = spearman([p["cti"] for p in with_cos],
                                                        [p[target] for p in with_cos])
-        with_floor = [p for p in pts if p["cti_with_floor"] is not None]
-        if with_floor:  # the floor-adjusted index (cachecert cti --floor-examples), and CTI on the same points
-            row["n_points_cti_with_floor"] = len(with_floor)
-            row["spearman_cti_with_floor"] = spearman([p["cti_with_floor"] for p in with_floor],
+        with_floor = [p for p in pts if p["predicted_retention"] is not None]
+        if with_floor:  # retention predicted with the receiver's floor (cti --floor-examples); CTI on the same points
+            row["n_points_predicted_retention"] = len(with_floor)
+            row["spearman_predicted_retention"] = spearman([p["predicted_retention"] for p in with_floor],
                                                       [p[target] for p in with_floor])
             row["spearman_cti_same_points_as_floor"] = spearman([p["cti"] for p in with_floor],
                                                                 [p[target] for p in with_floor])
@@ -338,24 +338,33 @@ def correlate(predictions: list[dict], transfer_rows: list[dict], target: Target
     return out
 
 
+def predicted_retention(floor: float, deviation: float) -> float:
+    """``1 - (1 - floor) x deviation``: retention predicted from the receiver's no-context ``floor`` and the index's
+    predicted relative output ``deviation`` (``10 ** -CTI``). Retention decomposes as ``floor + (1 - floor) x
+    context_gain``; to first order a transfer keeps the share ``1 - deviation`` of the context's contribution. No
+    constant is fitted and the log base of the index plays no part. (Chosen in the thirty-fifth session after the
+    form fixed beforehand, ``floor + (1 - floor) x CTI``, turned out to depend on the index's scale; docs/cti.md.)"""
+    return 1.0 - (1.0 - floor) * deviation
+
+
 def with_receiver_floor(result: dict[str, Any], floor_row: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """``result`` (one pair's :func:`pair_cti`) with the receiver's no-context floor ``f`` (a row of
-    :func:`~cachecert_agents.eval.receiver_floor.likelihood_floor` on the same workload) and the floor-adjusted
-    index ``f + (1 - f) x CTI`` for pure KV (``cti_with_floor``) and every split. Retention decomposes as ``floor +
-    (1 - floor) x context_gain``; the CTI stands in for the context gain, with no fitted constant (docs/cti.md,
-    thirty-fifth session: 0.725 pooled against the CTI's 0.624). A floor above 1 (the receiver does better
-    without the context) reverses a pair's order of methods, as the decomposition says it should: the more of the
-    context a transfer carries, the lower its retention. ``seconds`` is charged to ``cost.floor_s``
+    """``result`` (one pair's :func:`pair_cti`) with the receiver's no-context floor (a row of
+    :func:`~cachecert_agents.eval.receiver_floor.likelihood_floor` on the same workload) and
+    :func:`predicted_retention` for pure KV and every split (``predicted_retention``). A floor above 1 (the
+    receiver does better without the context) reverses a pair's order of methods, as the decomposition says: the
+    more of the context a transfer carries, the lower its retention. ``seconds`` is charged to ``cost.floor_s``
     (shared by every sender into this receiver on this workload). ``ValueError`` when the row is another
     receiver's or workload's."""
     if (floor_row["receiver"], floor_row["workload"]) != (result["receiver"], result["workload"]):
         raise ValueError(f"the floor of {floor_row['receiver']} on {floor_row['workload']} does not belong to "
                          f"{result['receiver']} on {result['workload']}")
     f = float(floor_row["floor"])
-    out = dict(result, receiver_floor={k: floor_row[k] for k in ("measure", "n", "floor", "p_full", "p_no_context",
-                                                                   "receiver_weights")},
-               cti_with_floor=f + (1 - f) * result["cti"], cost=dict(result.get("cost") or {}, floor_s=seconds))
-    out["splits"] = {k: dict(v, cti_with_floor=f + (1 - f) * v["cti"]) for k, v in result["splits"].items()}
+    out = dict(result, receiver_floor={k: floor_row[k] for k in ("workload", "measure", "n", "floor", "p_full",
+                                                                   "p_no_context", "receiver_weights")},
+               predicted_retention=predicted_retention(f, result["mean_deviation"]),
+               cost=dict(result.get("cost") or {}, floor_s=seconds))
+    out["splits"] = {k: dict(v, predicted_retention=predicted_retention(f, v["predicted_deviation"]))
+                     for k, v in result["splits"].items()}
     return out
 
 

@@ -76,12 +76,12 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
                    f"{f(c['spearman_cti_same_points'])})" if "spearman_attention_cosine" in c else "-")
             lines.append(f"| {name} | {c['n_points']} | {f(c['spearman_cti'])} | "
                          f"{f(c['spearman_residual_fraction'])} | {f(c['spearman_r2'])} | {cos} |")
-        floor = [(name, c) for name, c in corr["correlations"].items() if "spearman_cti_with_floor" in c]
+        floor = [(name, c) for name, c in corr["correlations"].items() if "spearman_predicted_retention" in c]
         if floor:  # cachecert cti --floor-examples
-            lines += ["", "The floor-adjusted index `floor + (1 - floor) x CTI` (the receiver's likelihood floor; "
-                      "docs/cti.md):", "", "| group | points | Spearman floor-adjusted | Spearman CTI, same points |",
-                      "|---|---|---|---|"]
-            lines += [f"| {name} | {c['n_points_cti_with_floor']} | {f(c['spearman_cti_with_floor'])} | "
+            lines += ["", "Retention predicted with the receiver's likelihood floor, `1 - (1 - floor) x 10^-CTI` "
+                      "(docs/cti.md):", "", "| group | points | Spearman predicted retention | Spearman CTI, same "
+                      "points |", "|---|---|---|---|"]
+            lines += [f"| {name} | {c['n_points_predicted_retention']} | {f(c['spearman_predicted_retention'])} | "
                       f"{f(c['spearman_cti_same_points_as_floor'])} |" for name, c in floor]
         pure = [(name, c) for name, c in corr["correlations"].items() if "n_points_pure_kv" in c]
         if pure:  # R^2 has one value per pair: on split points it ties within each pair, so compare on pure KV too

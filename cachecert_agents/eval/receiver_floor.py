@@ -70,8 +70,8 @@ def receiver_floor(receiver: ModelHandle, workload: Workload, n: int, results_di
     if sum(full) <= 0:
         raise ValueError(f"{receiver.name} scores 0 with the full context on all {len(examples)} calibration "
                          f"examples of {workload.name}: the floor is undefined")
-    return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "n": len(examples),
-            "score_full": sum(full) / len(full), "score_no_context": sum(no_context) / len(no_context),
+    return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "measure": "generation",
+            "n": len(examples), "score_full": sum(full) / len(full), "score_no_context": sum(no_context) / len(no_context),
             "floor": sum(no_context) / sum(full), "receiver_weights": receiver.weights_fingerprint}
 
 
@@ -92,24 +92,38 @@ def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: st
     return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
 
 
-def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True) -> dict[str, Any]:
-    """The floor without generation, on the first ``n`` calibration examples of ``workload``: ``floor = mean
-    p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
-    probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
-    means, the per-example NLLs and their example ids, and the receiver's weights fingerprint; ``ValueError`` when
-    the workload has no calibration example, an example has no reference answer, or the full-context probability
-    underflows to 0 everywhere."""
+def require_references(workload: Workload, n: int) -> list:
+    """The first ``n`` calibration examples of ``workload``, each with a non-empty first reference answer (what
+    :func:`likelihood_floor` reads); ``ValueError`` naming the examples otherwise, or when ``n < 1`` or there are
+    none. Cheap: callers check it before loading a model."""
+    if n < 1:
+        raise ValueError(f"the likelihood floor needs at least 1 calibration example, not {n}")
     examples = workload.examples("calibration")[:n]
     if not examples:
         raise ValueError(f"{workload.name} has no calibration example to measure the floor on")
     missing = [ex.id for ex in examples if not ex.references or not ex.references[0].strip()]
     if missing:
         raise ValueError(f"{workload.name}: calibration example(s) {missing[:5]} have no reference answer to read; "
-                         "the likelihood floor needs one per example (use --measure generation)")
+                         "the likelihood floor needs one per example (the generation floor, `cachecert eval floor "
+                         "--measure generation`, needs none)")
+    return examples
+
+
+def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True) -> dict[str, Any]:
+    """The floor without generation, on the first ``n`` calibration examples of ``workload``: ``floor = mean
+    p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
+    probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
+    means, the per-example NLLs and their example ids, and the receiver's weights fingerprint. ``ValueError`` as
+    :func:`require_references`, on a non-finite NLL, or when the full-context probability underflows to 0
+    everywhere."""
+    examples = require_references(workload, n)
     full, none = [], []
     for ex in tqdm(examples, desc=f"likelihood floor {receiver.name} {workload.name}", disable=not progress):
         full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
         none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
+        if not (math.isfinite(full[-1]) and math.isfinite(none[-1])):
+            raise ValueError(f"{receiver.name} gives example {ex.id} of {workload.name} a non-finite answer NLL "
+                             f"({full[-1]} with the context, {none[-1]} without): its weights or logits hold NaN/inf")
     p_full = sum(math.exp(-x) for x in full) / len(full)
     p_none = sum(math.exp(-x) for x in none) / len(none)
     if not p_full > 0:
