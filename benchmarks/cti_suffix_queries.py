@@ -128,7 +128,8 @@ def analyse(pairs: list[dict], transfer_rows: list[dict], stats: dict) -> dict:
             rhos = [(spearman([r[key] for r in g], [r["retention"] for r in g]), len(g)) for g in groups_by.values()
                     if len(g) >= 3]
             rhos = [(rho, n) for rho, n in rhos if rho == rho]
-            entry[f"mean_spearman_{key}"] = sum(rho * n for rho, n in rhos) / sum(n for _, n in rhos)
+            total = sum(n for _, n in rhos)
+            entry[f"mean_spearman_{key}"] = sum(rho * n for rho, n in rhos) / total if total else float("nan")
         entry["n_groups"], entry["n_points"] = len(rhos), sum(n for _, n in rhos)
         within["_".join(by)] = entry
     return {"correlations": out, "within_groups_exploratory": within,
