@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import random
 import shlex
 import sys
@@ -34,7 +33,7 @@ from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cti_eval import correlate, grouped_spearman, predicted_retention
-from cachecert_agents.eval.receiver_floor import likelihood_floor
+from cachecert_agents.eval.receiver_floor import likelihood_floor, mean_answer_probability
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.models.handle import ModelHandle
 
@@ -47,9 +46,9 @@ def _floors_from(floors: dict, pick) -> dict:
     out: dict = {}
     for receiver, by_workload in floors.items():
         for workload, f in by_workload.items():
-            idx = pick(len(f["nll_full"]))
-            p_full = sum(math.exp(-f["nll_full"][i]) for i in idx)
-            p_none = sum(math.exp(-f["nll_no_context"][i]) for i in idx)
+            idx = list(pick(len(f["nll_full"])))
+            p_full = mean_answer_probability([f["nll_full"][i] for i in idx])
+            p_none = mean_answer_probability([f["nll_no_context"][i] for i in idx])
             out.setdefault(receiver, {})[workload] = {"floor": p_none / p_full}
     return out
 

@@ -92,6 +92,12 @@ def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: st
     return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
 
 
+def mean_answer_probability(nlls: list[float]) -> float:
+    """Mean over examples of ``exp(-nll)``, the geometric-mean probability of each answer's tokens: the likelihood
+    floor's stand-in for a task score (its ratio without / with the context is the floor)."""
+    return sum(math.exp(-x) for x in nlls) / len(nlls)
+
+
 def require_references(workload: Workload, n: int) -> list:
     """The first ``n`` calibration examples of ``workload``, each with a non-empty first reference answer (what
     :func:`likelihood_floor` reads); ``ValueError`` naming the examples otherwise, or when ``n < 1`` or there are
@@ -124,8 +130,7 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
         if not (math.isfinite(full[-1]) and math.isfinite(none[-1])):
             raise ValueError(f"{receiver.name} gives example {ex.id} of {workload.name} a non-finite answer NLL "
                              f"({full[-1]} with the context, {none[-1]} without): its weights or logits hold NaN/inf")
-    p_full = sum(math.exp(-x) for x in full) / len(full)
-    p_none = sum(math.exp(-x) for x in none) / len(none)
+    p_full, p_none = mean_answer_probability(full), mean_answer_probability(none)
     if not p_full > 0:
         raise ValueError(f"{receiver.name} gives the reference answers of {workload.name} probability 0 with the "
                          f"full context on all {len(examples)} calibration examples: the floor is undefined")
