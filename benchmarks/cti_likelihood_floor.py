@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cti_eval import correlate, grouped_spearman, predicted_retention
-from cachecert_agents.eval.receiver_floor import likelihood_floor, mean_answer_probability
+from cachecert_agents.eval.receiver_floor import (answer_nll, likelihood_floor, mean_answer_probability,
+                                                   require_references)
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.models.handle import ModelHandle
 
@@ -76,6 +77,24 @@ def robustness(pairs: list[dict], transfer_rows: list[dict], floors: dict, gener
     return {"first_examples": first, "bootstrap": boot}
 
 
+def extend_floor(receiver: ModelHandle, workload, earlier: dict, n: int) -> dict:
+    """``earlier`` (a floor of :func:`likelihood_floor` on the first calibration examples) grown to the first ``n``:
+    only the examples it lacks are measured, in the same order (``ValueError`` when its ids are not the workload's
+    first calibration examples)."""
+    examples = require_references(workload, n)
+    have = len(earlier["ids"])
+    if earlier["ids"] != [ex.id for ex in examples[:have]]:
+        raise ValueError(f"{receiver.name} {workload.name}: the earlier floor's examples are not the workload's first "
+                         "calibration examples")
+    full, none = list(earlier["nll_full"]), list(earlier["nll_no_context"])
+    for ex in tqdm(examples[have:], desc=f"extend {receiver.name} {workload.name}", leave=False):
+        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
+        none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
+    p_full, p_none = mean_answer_probability(full), mean_answer_probability(none)
+    return dict(earlier, n=len(full), nll_full=full, nll_no_context=none, ids=[ex.id for ex in examples[:len(full)]],
+                p_full=p_full, p_no_context=p_none, floor=p_none / p_full, floor_nll=p_none / p_full)
+
+
 def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation_floors: dict) -> dict:
     rows = []
     for p in correlate(pairs, transfer_rows)["points"]:
@@ -109,6 +128,9 @@ def main() -> None:
     ap.add_argument("--receivers", default=",".join(RECEIVERS), help="comma-separated (a smoke run: one)")
     ap.add_argument("--floors", default=None,
                     help="reuse the likelihood floors of an earlier --out instead of running the receivers")
+    ap.add_argument("--extend", action="store_true",
+                    help="with --floors: measure only the examples the earlier floors lack, up to --examples, and "
+                         "add them (the earlier per-example NLLs are kept)")
     ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples (>= 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cti_likelihood_floor.json")
@@ -123,6 +145,13 @@ def main() -> None:
         for by_workload in floors.values():  # the first run of this script named the floor "floor_nll"
             for f in by_workload.values():
                 f.setdefault("floor", f.get("floor_nll"))
+        if args.extend:
+            floors_command = f"{floors_command}; extended: {command}"
+            for name in tqdm(args.receivers.split(","), desc="receivers"):
+                receiver = ModelHandle.load(name)
+                for w in WORKLOADS:
+                    floors[name][w] = extend_floor(receiver, get_workload(w), floors[name][w], args.examples)
+                del receiver
     else:
         floors = {}
         for name in tqdm(args.receivers.split(","), desc="receivers"):

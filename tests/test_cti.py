@@ -648,3 +648,24 @@ def test_retention_predicted_with_the_floor_is_ranked_beside_the_cti():
         with_receiver_floor(pair("a", 0.6), floor("b", 0.5), 1.0)
     with pytest.raises(ValueError, match="does not belong"):
         with_receiver_floor(pair("a", 0.6), dict(floor("a", 0.5), workload="other"), 1.0)
+
+
+def test_likelihood_floor_benchmark_extends_a_floor_to_the_same_figures(monkeypatch, tiny_tokenizer):
+    """benchmarks/cti_likelihood_floor.py --extend: a floor grown from 1 to 2 examples equals the floor measured on
+    2 at once; a floor of other examples is refused."""
+    import importlib
+    from pathlib import Path
+
+    from cachecert_agents.eval.receiver_floor import likelihood_floor
+    from tests.conftest import tiny_workload
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("cti_likelihood_floor")
+    handle = ModelHandle("tiny", tiny_model("qwen2", seed=9), tiny_tokenizer)
+    wl = tiny_workload(["the cat sat on the mat", "a cat on a mat", "evaluation only"], n_calibration=2)
+    grown = bench.extend_floor(handle, wl, likelihood_floor(handle, wl, 1, progress=False), 2)
+    whole = likelihood_floor(handle, wl, 2, progress=False)
+    assert grown["ids"] == whole["ids"] and grown["nll_full"] == whole["nll_full"]
+    assert grown["floor"] == pytest.approx(whole["floor"]) and grown["n"] == 2
+    with pytest.raises(ValueError, match="not the workload's first"):
+        bench.extend_floor(handle, wl, dict(whole, ids=["x", "y"]), 2)
