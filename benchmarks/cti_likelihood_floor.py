@@ -33,8 +33,7 @@ from tqdm import tqdm
 
 from cachecert_agents.cli import write_json_atomic
 from cachecert_agents.eval.cti_eval import correlate, grouped_spearman, predicted_retention
-from cachecert_agents.eval.receiver_floor import (answer_nll, likelihood_floor, mean_answer_probability,
-                                                   require_references)
+from cachecert_agents.eval.receiver_floor import likelihood_floor, mean_answer_probability
 from cachecert_agents.eval.workloads import get_workload
 from cachecert_agents.models.handle import ModelHandle
 
@@ -78,21 +77,10 @@ def robustness(pairs: list[dict], transfer_rows: list[dict], floors: dict, gener
 
 
 def extend_floor(receiver: ModelHandle, workload, earlier: dict, n: int) -> dict:
-    """``earlier`` (a floor of :func:`likelihood_floor` on the first calibration examples) grown to the first ``n``:
-    only the examples it lacks are measured, in the same order (``ValueError`` when its ids are not the workload's
-    first calibration examples)."""
-    examples = require_references(workload, n)
-    have = len(earlier["ids"])
-    if earlier["ids"] != [ex.id for ex in examples[:have]]:
-        raise ValueError(f"{receiver.name} {workload.name}: the earlier floor's examples are not the workload's first "
-                         "calibration examples")
-    full, none = list(earlier["nll_full"]), list(earlier["nll_no_context"])
-    for ex in tqdm(examples[have:], desc=f"extend {receiver.name} {workload.name}", leave=False):
-        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
-        none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
-    p_full, p_none = mean_answer_probability(full), mean_answer_probability(none)
-    return dict(earlier, n=len(full), nll_full=full, nll_no_context=none, ids=[ex.id for ex in examples[:len(full)]],
-                p_full=p_full, p_no_context=p_none, floor=p_none / p_full, floor_nll=p_none / p_full)
+    """``earlier`` (a floor of :func:`likelihood_floor` on the first calibration examples) grown to the first ``n``
+    (only the examples it lacks are measured); ``floor_nll`` kept in step for files of the first run's naming."""
+    grown = likelihood_floor(receiver, workload, n, progress=False, earlier=earlier)
+    return dict(earlier, **grown, floor_nll=grown["floor"])
 
 
 def analyse(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation_floors: dict) -> dict:

@@ -115,16 +115,25 @@ def require_references(workload: Workload, n: int) -> list:
     return examples
 
 
-def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True) -> dict[str, Any]:
+def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True,
+                     earlier: dict[str, Any] | None = None) -> dict[str, Any]:
     """The floor without generation, on the first ``n`` calibration examples of ``workload``: ``floor = mean
     p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
     probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
-    means, the per-example NLLs and their example ids, and the receiver's weights fingerprint. ``ValueError`` as
-    :func:`require_references`, on a non-finite NLL, or when the full-context probability underflows to 0
-    everywhere."""
+    means, the per-example NLLs and their example ids, and the receiver's weights fingerprint.
+
+    ``earlier``: a row of this function on the first of the same examples; its per-example NLLs are kept and only
+    the examples it lacks are measured (growing a floor). ``ValueError`` when its ids are not the workload's first
+    calibration examples, as :func:`require_references`, on a non-finite NLL, or when the full-context probability
+    underflows to 0 everywhere."""
     examples = require_references(workload, n)
-    full, none = [], []
-    for ex in tqdm(examples, desc=f"likelihood floor {receiver.name} {workload.name}", disable=not progress):
+    full = list(earlier["nll_full"]) if earlier else []
+    none = list(earlier["nll_no_context"]) if earlier else []
+    if earlier and earlier["ids"] != [ex.id for ex in examples[:len(earlier["ids"])]]:
+        raise ValueError(f"{receiver.name} {workload.name}: the earlier floor's examples are not the workload's first "
+                         "calibration examples")
+    for ex in tqdm(examples[len(full):], desc=f"likelihood floor {receiver.name} {workload.name}",
+                   disable=not progress):
         full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
         none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
         if not (math.isfinite(full[-1]) and math.isfinite(none[-1])):
@@ -133,8 +142,8 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
     p_full, p_none = mean_answer_probability(full), mean_answer_probability(none)
     if not p_full > 0:
         raise ValueError(f"{receiver.name} gives the reference answers of {workload.name} probability 0 with the "
-                         f"full context on all {len(examples)} calibration examples: the floor is undefined")
+                         f"full context on all {len(full)} calibration examples: the floor is undefined")
     return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "measure": "likelihood",
-            "n": len(examples), "p_full": p_full, "p_no_context": p_none, "floor": p_none / p_full,
-            "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples],
+            "n": len(full), "p_full": p_full, "p_no_context": p_none, "floor": p_none / p_full,
+            "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples[:len(full)]],
             "receiver_weights": receiver.weights_fingerprint}
