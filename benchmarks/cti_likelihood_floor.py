@@ -17,6 +17,11 @@ pooled, per workload and on the pure-KV points, next to the CTI and to the gener
 question with retention (evaluation split), so nothing is cross-fitted.
 
     python benchmarks/cti_likelihood_floor.py --out docs/results/cti_likelihood_floor.json
+
+How many examples a floor needs (no model run; thirty-sixth session):
+
+    python benchmarks/cti_likelihood_floor.py --floors docs/results/cti_likelihood_floor_24.json --examples 24 \
+        --sizes 1,2,4,8,12,16,24 --out docs/results/cti_floor_size.json
 """
 
 from __future__ import annotations
@@ -76,6 +81,33 @@ def robustness(pairs: list[dict], transfer_rows: list[dict], floors: dict, gener
     return {"first_examples": first, "bootstrap": boot}
 
 
+def by_size(pairs: list[dict], transfer_rows: list[dict], floors: dict, generation: dict, sizes: list[int],
+            draws: int, seed: int) -> dict:
+    """Added in the thirty-sixth session, after every figure above was seen: how many examples a floor needs.
+    For each ``k`` in ``sizes``, the pooled Spearman of the predicted retention (and of the floor alone) with the
+    floors on the first ``k`` examples (those the CTI's statistics pass reads when ``k`` is at most its context
+    count, so they cost no prefill of their own) and over ``draws`` random ``k``-subsets of each floor's examples
+    (without replacement): median and 5-95% range, and the fraction of draws above the CTI."""
+    def pooled(f: dict) -> dict:
+        result = analyse(pairs, transfer_rows, f, generation)
+        return result["correlations"]["pooled"] | result["correlations_exploratory_scale_free"]["pooled"]
+
+    rng = random.Random(seed)
+    cti = pooled(floors)["spearman_cti"]
+    out = {"draws": draws, "seed": seed, "spearman_cti": cti, "sizes": {}}
+    for k in sizes:
+        first = pooled(_floors_from(floors, lambda n, k=k: range(min(k, n))))
+        row = {"first": {key: first[f"spearman_{key}"] for key in ("floor_nll", "predicted_retention")}}
+        sampled = [pooled(_floors_from(floors, lambda n, k=k: rng.sample(range(n), min(k, n))))
+                   for _ in range(draws)]
+        for key in ("floor_nll", "predicted_retention"):
+            d = sorted(x[f"spearman_{key}"] for x in sampled)
+            row[key] = {"median": d[len(d) // 2], "q05": d[int(0.05 * len(d))], "q95": d[max(int(0.95 * len(d)) - 1, 0)],
+                        "fraction_above_cti": sum(v > cti for v in d) / len(d)}
+        out["sizes"][str(k)] = row
+    return out
+
+
 def extend_floor(receiver: ModelHandle, workload, earlier: dict, n: int) -> dict:
     """``earlier`` (a floor of :func:`likelihood_floor` on the first calibration examples) grown to the first ``n``
     (only the examples it lacks are measured); ``floor_nll`` kept in step for files of the first run's naming."""
@@ -120,6 +152,9 @@ def main() -> None:
                     help="with --floors: measure only the examples the earlier floors lack, up to --examples, and "
                          "add them (the earlier per-example NLLs are kept)")
     ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples (>= 1)")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated example counts: also rank with floors on the first k and on random "
+                         "k-subsets of each floor's examples (--resamples draws each; by_size in the output)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/results/cti_likelihood_floor.json")
     args = ap.parse_args()
@@ -153,6 +188,9 @@ def main() -> None:
     result = analyse(pairs, transfer_rows, floors, generation)
     result["robustness_exploratory"] = robustness(pairs, transfer_rows, floors, generation, args.resamples,
                                                   args.seed)
+    if args.sizes:
+        result["by_size"] = by_size(pairs, transfer_rows, floors, generation,
+                                    [int(k) for k in args.sizes.split(",")], args.resamples, args.seed)
     out = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(), "cti_file": args.cti,
            "transfer_file": args.transfer, "generation_floors_file": args.generation_floors,
            "examples": args.examples, **result, "floors_command": floors_command, "floors": floors}
@@ -165,6 +203,11 @@ def main() -> None:
     print("exploratory, 1 - (1 - floor) x 10^-CTI: " + ", ".join(
         f"{name} {g['spearman_predicted_retention']:+.3f}" for name, g in c.items()))
     print(json.dumps(result["robustness_exploratory"]))
+    for k, row in result.get("by_size", {}).get("sizes", {}).items():
+        pr = row["predicted_retention"]
+        print(f"floor on {k:>2} examples: first {row['first']['predicted_retention']:+.3f}; random subsets median "
+              f"{pr['median']:+.3f} ({pr['q05']:+.3f} to {pr['q95']:+.3f}), above the CTI in "
+              f"{pr['fraction_above_cti']:.0%}")
 
 
 if __name__ == "__main__":

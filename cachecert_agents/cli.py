@@ -485,7 +485,8 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
     sender, receiver, workload = _load_pair(args)
     splits = _parse_splits(args.splits, receiver.geometry.num_layers)
     row = cti_cost(sender, receiver, workload, splits, args.statistics_contexts, args.propagation_contexts,
-                   args.n_calibration, eval_examples=args.eval_examples)
+                   args.n_calibration, eval_examples=args.eval_examples, floor_examples=args.floor_examples,
+                   also_contexts=tuple(args.also_contexts))
     if args.out:
         from pathlib import Path
 
@@ -501,6 +502,13 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
               f"{c['single_pass_s']:.1f}, propagation "
               f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {mapper_s:.1f} s + evaluation "
               f"{m['eval_s_per_example']:.1f} s/example; ratio {ratios}")
+        for k, other in row.get("cti_by_contexts", {}).items():
+            print(f"  CTI on {k} contexts: {other['total_s']:.1f} s; ratio "
+                  + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_by_contexts"][k].items()))
+        if "floor" in row:
+            print(f"  with the likelihood floor ({row['floor']['examples']} examples, {row['floor']['from_pass']} "
+                  f"read in the pass): {row['floor']['total_with_floor_s']:.1f} s; ratio "
+                  + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_with_floor_to_mapper_route"].items()))
     _emit(row, args.json)
     return 0
 
@@ -705,13 +713,16 @@ def _cmd_cti(args: argparse.Namespace) -> int:
                              if args.statistics_contexts or args.cosine_examples else None)
             gcv = args.residual == "gcv"
             inputs = (small_cti_inputs(sender_handle, receivers[receiver], workload, args.statistics_contexts,
-                                       args.propagation_contexts, gcv=gcv) if args.statistics_contexts else None)
+                                       args.propagation_contexts, gcv=gcv, floor_examples=args.floor_examples)
+                      if args.statistics_contexts else None)
             r = pair_cti(sender, receivers[receiver], workload, args.query_contexts, args.propagation_contexts,
                          inputs, gcv=gcv)
             if args.floor_examples:  # a receiver-and-workload property: measured once per run, shared by senders
                 if (receiver, workload.name) not in floors:
                     t0 = time.perf_counter()
-                    row = likelihood_floor(receivers[receiver], workload, args.floor_examples)
+                    # the statistics pass read the first examples' answers after the context already
+                    row = likelihood_floor(receivers[receiver], workload, args.floor_examples,
+                                           with_context=inputs.continuation_nll if inputs else ())
                     floors[(receiver, workload.name)] = row, time.perf_counter() - t0
                 r = with_receiver_floor(r, *floors[(receiver, workload.name)])
             if args.cosine_examples:
@@ -1382,7 +1393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the receiver's likelihood floor on N calibration examples (teacher-forced reference "
                         "answers with and without the context; receiver only, needs the workload's references) and "
                         "the retention it predicts with the index, 1 - (1 - floor) x 10^-CTI (docs/cti.md, "
-                        "thirty-fifth session)")
+                        "thirty-fifth session); with --statistics-contexts K the index's own pass reads the first "
+                        "min(N, K) answers after their contexts, so those cost no prefill of their own")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
@@ -1451,6 +1463,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration contexts of the propagation (0: the first-order split model)")
     p.add_argument("--n-calibration", type=_positive_int, default=20, help="calibration contexts of the mapper (+4 held out)")
     p.add_argument("--eval-examples", type=_positive_int, default=4, help="evaluation examples timed (then extrapolated)")
+    p.add_argument("--floor-examples", type=_non_negative_int, default=0, metavar="N",
+                   help="also time the receiver's likelihood floor on N calibration examples (as `cachecert cti "
+                        "--floor-examples`), and report the ratio with it")
+    p.add_argument("--also-contexts", type=_positive_int, nargs="*", default=[], metavar="K",
+                   help="also time the CTI on K statistics contexts (each K), against the same mapper route")
     p.add_argument("--out", default="docs/results/cti_cost.json", help="merge the row into this file")
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
     p.add_argument("--json", action="store_true")

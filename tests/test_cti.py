@@ -413,6 +413,59 @@ def test_single_pass_equals_the_separate_passes(tiny_tokenizer):
     assert set(one.seconds) == {"pass_s", "propagation_s"}
 
 
+def test_single_pass_reads_the_floor_answers_without_changing_the_index_inputs(tiny_tokenizer, cache_home):
+    """With the reference answers as continuations, the single pass's statistics and query statistics are those
+    of the pass without them (the answers come after the context in a causal prefill), and their NLLs are
+    :func:`answer_nll`'s; the likelihood floor built on them equals the one that measures everything itself.
+    ``small_cti_inputs`` records them with the cached statistics and gives them back only for the same answers."""
+    from cachecert_agents.cti.single_pass import cti_inputs
+    from cachecert_agents.eval.cti_eval import small_cti_inputs
+    from cachecert_agents.eval.receiver_floor import answer_nll, likelihood_floor, reference_continuations
+
+    sender = ModelHandle("tiny-a", tiny_model("llama", seed=0), tiny_tokenizer)
+    receiver = ModelHandle("tiny-b", tiny_model("llama", seed=1), tiny_tokenizer)
+    wl = _tiny_workload()
+    cal = wl.examples("calibration")[:3]
+    pairs = [(e.context, e.instruction) for e in cal]
+    plain = cti_inputs(sender, receiver, pairs, [1], propagation_contexts=1, progress=False)
+    read = cti_inputs(sender, receiver, pairs, [1], propagation_contexts=1, progress=False,
+                      continuations=reference_continuations(receiver, cal[:2]))
+    assert plain.continuation_nll == [] and len(read.continuation_nll) == 2
+    for name, t in plain.statistics.targets.items():
+        assert torch.allclose(read.statistics.targets[name].xy, t.xy, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(read.statistics.targets[name].yy, t.yy, rtol=1e-5, atol=1e-6), name
+    for a, b in zip(read.queries.q2 + read.queries.conc, plain.queries.q2 + plain.queries.conc):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-9)
+    for layer, m in plain.propagated[1].items():
+        # the noise is drawn through the stream residual's eigenvectors, which rounding in the longer prefill
+        # rotates a little: Monte-Carlo differences of ~1e-3, not a change of the inputs
+        assert float((read.propagated[1][layer] - m).norm() / m.norm()) < 1e-3, layer
+    for ex, nll in zip(cal, read.continuation_nll):
+        assert nll == pytest.approx(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]), rel=1e-5)
+    fused = likelihood_floor(receiver, wl, 3, progress=False, with_context=read.continuation_nll)
+    whole = likelihood_floor(receiver, wl, 3, progress=False)
+    assert fused["n_from_pass"] == 2 and whole["n_from_pass"] == 0
+    assert fused["floor"] == pytest.approx(whole["floor"], rel=1e-5)
+    assert fused["nll_full"] == pytest.approx(whole["nll_full"], rel=1e-5)
+    with pytest.raises(ValueError, match="3 continuations for 2 contexts"):
+        cti_inputs(sender, receiver, pairs[:2], [1], progress=False,
+                   continuations=reference_continuations(receiver, cal))
+
+    first = small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1, floor_examples=3)
+    assert len(first.continuation_nll) == 2  # min(floor examples, statistics contexts)
+    assert first.statistics.header["reference_nll"]["ids"] == ["0", "1"]
+    cached = small_cti_inputs(sender, receiver, wl, 2, n_propagation_contexts=1, floor_examples=1)
+    assert cached.seconds == {} and cached.continuation_nll == first.continuation_nll[:1]
+
+    class OtherAnswers(type(wl)):
+        def examples(self, split=None, limit=None):
+            return [e.model_copy(update={"references": ["park"]}) if e.id == "1" else e
+                    for e in super().examples(split, limit)]
+
+    cached = small_cti_inputs(sender, receiver, OtherAnswers(), 2, n_propagation_contexts=1, floor_examples=2)
+    assert cached.seconds == {} and cached.continuation_nll == first.continuation_nll[:1]  # example 1's answer changed
+
+
 def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
     from cachecert_agents.eval.cti_cost import cti_cost
 
@@ -425,12 +478,32 @@ def test_cti_cost_benchmark_times_both_routes(tiny_tokenizer, tmp_path):
     assert c["total_s"] > 0 and m["eval_s"] > 0 and m["methods_evaluated"] == 2
     assert 0 < row["ratio_cti_to_mapper_route"]["10"] < row["ratio_cti_to_mapper_route"]["1"]
     assert set(c["split_cti"]) == {"1", str(receiver.geometry.num_layers)}
+    assert "floor" not in row and "ratio_cti_with_floor_to_mapper_route" not in row
+    floored = cti_cost(sender, receiver, _tiny_workload(), [1], statistics_contexts=1, propagation_contexts=1,
+                       mapper_contexts=3, heldout_contexts=1, eval_examples=1, extrapolate_to=(10,), floor_examples=2,
+                       also_contexts=(2,))
+    f = floored["floor"]
+    assert f["examples"] == 2 and f["from_pass"] == 1 and f["floor_s"] > 0
+    assert f["total_with_floor_s"] == pytest.approx(floored["cti"]["total_s"] + f["floor_s"])
+    for n, r in floored["ratio_cti_to_mapper_route"].items():
+        assert floored["ratio_cti_with_floor_to_mapper_route"][n] > r
+    two = floored["cti_by_contexts"]["2"]
+    assert two["statistics_contexts"] == 2 and two["statistics_tokens"] > floored["cti"]["statistics_tokens"]
+    assert floored["ratio_by_contexts"]["2"]["10"] == pytest.approx(
+        two["total_s"] / floored["cti"]["total_s"] * floored["ratio_cti_to_mapper_route"]["10"])
     from cachecert_agents.eval.cti_report import write_cti_cost_report
 
-    write_cti_cost_report({"date": "d", "machine": "m", "results": [dict(row, command="cachecert bench cti-cost")]},
+    write_cti_cost_report({"date": "d", "machine": "m",
+                           "results": [dict(row, command="cachecert bench cti-cost"),
+                                        dict(floored, command="cachecert bench cti-cost --floor-examples 2")]},
                           tmp_path / "cti_cost.md")
     text = (tmp_path / "cti_cost.md").read_text()
     assert "at n=1, " in text and "n=10 (extrapolated)" in text and "tiny-a -> tiny-b" in text
+    assert "| tiny-a -> tiny-b | tiny | 2 (1) |" in text  # the floor's table: one row, the floored run
+    assert text.count("| tiny-a -> tiny-b | tiny | 2 (") == 2  # and the table of other context counts
+    with pytest.raises(ValueError, match="exceed"):
+        cti_cost(sender, receiver, _tiny_workload(), [1], statistics_contexts=2, propagation_contexts=2,
+                 mapper_contexts=3, heldout_contexts=1, also_contexts=(1,))
     with pytest.raises(ValueError, match="needs 9"):
         cti_cost(sender, receiver, _tiny_workload(), [1], mapper_contexts=5)
 

@@ -86,14 +86,15 @@ class QueryAccumulator:
 
     def add(self, capture: QKCapture, start: int, end: int) -> None:
         """One context: ``capture`` holds the pre-RoPE queries and keys of the tokens ``[0, end)`` (template prefix
-        included), the context being ``[start, end)``."""
+        included; tokens after ``end``, e.g. the suffix and a continuation the prefill also read, are ignored),
+        the context being ``[start, end)``."""
         geo = self.receiver.geometry
         attn = self.receiver._attention_modules()
         positions = torch.arange(end)
         rows = torch.linspace(start, end - 1, min(self.sample_queries, end - start)).round().long().unique()
         for layer in range(geo.num_layers):
             # [H, end, d], [Hk, end, d]; float64 on the CPU, wherever the receiver runs (MPS has no float64)
-            q, k = capture.query(layer)[0].cpu().double(), capture.key(layer)[0].cpu().double()
+            q, k = capture.query(layer)[0, :, :end].cpu().double(), capture.key(layer)[0, :, :end].cpu().double()
             self.q2[layer] += (q[:, start:end] ** 2).sum(1).cpu()
             cos, sin = rope_tables(geo.rope_for_layer(layer), positions.to(q.device))
             window = geo.sliding_window if layer in geo.sliding_layers else None

@@ -136,13 +136,20 @@ def pairs_with_mappers(workload: str) -> list[tuple[str, str]]:
 
 def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workload, n_contexts: int,
                      n_propagation_contexts: int = 2, split_fractions: tuple[float, ...] = (0.25, 0.5),
-                     gcv: bool = True) -> CTIInputs:
+                     gcv: bool = True, floor_examples: int = 0) -> CTIInputs:
     """The index's own inputs from one pass (:func:`~cachecert_agents.cti.single_pass.cti_inputs`) over the first
     ``n_contexts`` calibration contexts of ``workload`` (the stream at the receiver's layers ``round(f L)`` for
     the split model), cached under ``$CACHECERT_HOME/cti``; ``seconds`` holds what was spent now (empty when
     everything came from the cache; only the propagation when just that was missing, e.g. for the other
     ``gcv`` setting). A mapper is not fitted: the CTI needs moments, not a map. The propagation runs on some of
-    the same contexts, so ``n_propagation_contexts`` may not exceed ``n_contexts`` (``ValueError``)."""
+    the same contexts, so ``n_propagation_contexts`` may not exceed ``n_contexts`` (``ValueError``).
+
+    ``floor_examples``: the pass also reads the reference answers of the first ``min(floor_examples,
+    n_contexts)`` examples after their full prompts (``continuation_nll``: the with-context half of the
+    receiver's likelihood floor, :func:`~cachecert_agents.eval.receiver_floor.likelihood_floor`'s
+    ``with_context``), recorded with the statistics; from the cache they come back when they were recorded for
+    the same examples and answers, and are empty otherwise (the floor then measures them itself)."""
+    from cachecert_agents.eval.receiver_floor import reference_continuations, require_references
     from cachecert_agents.transfer.calibrate import pair_fingerprints, pair_header
 
     if n_propagation_contexts > n_contexts:
@@ -172,14 +179,24 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
             moments, propagation_s = propagation(stats, f"{stem}.stats", receiver, workload, n_propagation_contexts,
                                                  gcv)
             seconds = {"propagation_s": propagation_s} if propagation_s else {}
-        return CTIInputs(stats, queries, moments, seconds)
+        nlls = _recorded_reference_nlls(stats.header, workload, min(floor_examples, n_contexts))
+        if floor_examples and not nlls:
+            logger.info("CTI statistics %s hold no reference-answer NLLs for these examples: the floor measures its "
+                        "own with-context prefills", stem)
+        return CTIInputs(stats, queries, moments, seconds, nlls)
     L = receiver.geometry.num_layers
     splits = sorted({round(f * L) for f in split_fractions} - {0, L})
     cal = workload.examples("calibration", limit=n_contexts)
     if len(cal) < n_contexts:
         raise ValueError(f"{workload.name} has {len(cal)} calibration examples; asked for {n_contexts}")
+    readers = require_references(workload, min(floor_examples, n_contexts)) if floor_examples else []
     inputs = cti_inputs(sender, receiver, [(e.context, e.instruction) for e in cal], splits, workload.name,
-                        n_propagation_contexts, header, gcv=gcv)
+                        n_propagation_contexts, header, gcv=gcv,
+                        continuations=reference_continuations(receiver, readers))
+    if readers:
+        inputs.statistics.header["reference_nll"] = {"ids": [e.id for e in readers],
+                                                     "answers": [e.references[0] for e in readers],
+                                                     "nll_full": inputs.continuation_nll}
     for kind in ("stats", "queries"):
         keep_artifact_aside(f"{stem}.{kind}")
     inputs.statistics.save(f"{stem}.stats")
@@ -188,6 +205,20 @@ def small_cti_inputs(sender: ModelHandle, receiver: ModelHandle, workload: Workl
         cache, expect = _propagation_cache(f"{stem}.stats", receiver, n_propagation_contexts, gcv)
         _save_propagation(cache, expect, inputs.propagated, workload.name, inputs.seconds["propagation_s"])
     return inputs
+
+
+def _recorded_reference_nlls(header: dict, workload: Workload, n: int) -> list[float]:
+    """The with-context reference-answer NLLs a cached statistics pass recorded (``reference_nll``) for the first
+    ``n`` calibration examples of ``workload``: as many leading ones as match those examples' ids and first
+    references."""
+    recorded = header.get("reference_nll") or {}
+    out = []
+    for ex, id_, answer, nll in zip(workload.examples("calibration", limit=n), recorded.get("ids", []),
+                                    recorded.get("answers", []), recorded.get("nll_full", [])):
+        if (ex.id, ex.references[0] if ex.references else None) != (id_, answer):
+            break
+        out.append(float(nll))
+    return out
 
 
 def pair_cti(sender_name: str, receiver: ModelHandle, workload: Workload, n_query_contexts: int = 8,

@@ -151,6 +151,33 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
     lines += ["", "n = evaluation examples of the retention figure; the ones not timed extrapolate the measured "
               "per-example time linearly (the evaluation is a loop over independent examples). The single pass runs "
               "both models over the contexts once and collects the pair's statistics and the receiver's query "
-              "statistics together; the propagation then runs only its perturbed receiver prefills.", "",
-              "Commands:", ""] + [f"- `{r['command']}`" for r in rows]
+              "statistics together; the propagation then runs only its perturbed receiver prefills."]
+    varied = [r for r in rows if "cti_by_contexts" in r]
+    if varied:
+        lines += ["", "The CTI on fewer (or more) statistics contexts, timed in the same run against the same mapper "
+                  "route:", "", "| pair | workload | contexts (tokens) | single pass / propagation / index = total (s) "
+                  "| index | ratio / mapper route |", "|---|---|---|---|---|---|"]
+        for r in varied:
+            m = r["mapper_route"]
+            for k, c in r["cti_by_contexts"].items():
+                ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
+                                   for n, v in r["ratio_by_contexts"][k].items())
+                lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {k} ({c['statistics_tokens']}) "
+                             f"| {c['single_pass_s']:.0f} / {c['propagation_pass_s']:.0f} / {c['index_s']:.1f} = "
+                             f"**{c['total_s']:.0f}** | {c['index']:.3f} | {ratios} |")
+    floored = [r for r in rows if "floor" in r]
+    if floored:
+        lines += ["", "With the receiver's likelihood floor (`--floor-examples`, what predicted retention adds to the "
+                  "index): the single pass above also read the first examples' reference answers after their "
+                  "contexts (its time includes them); the floor then read every answer without the context and the "
+                  "rest with it.", "",
+                  "| pair | workload | floor: examples (read in the pass) | floor (s) | CTI + floor (s) | ratio with the "
+                  "floor / mapper route |", "|---|---|---|---|---|---|"]
+        for r in floored:
+            f, m = r["floor"], r["mapper_route"]
+            ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
+                               for n, v in r["ratio_cti_with_floor_to_mapper_route"].items())
+            lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {f['examples']} ({f['from_pass']}) "
+                         f"| {f['floor_s']:.1f} | **{f['total_with_floor_s']:.0f}** | {ratios} |")
+    lines += ["", "Commands:", ""] + [f"- `{r['command']}`" for r in rows]
     path.write_text("\n".join(lines) + "\n")

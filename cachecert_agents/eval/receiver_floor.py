@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from cachecert_agents.eval.transfer_eval import current_records, record_settings
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
-from cachecert_agents.models.handle import ModelHandle
+from cachecert_agents.models.handle import ModelHandle, PromptSegments
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +76,34 @@ def receiver_floor(receiver: ModelHandle, workload: Workload, n: int, results_di
             "floor": sum(no_context) / sum(full), "receiver_weights": receiver.weights_fingerprint}
 
 
+def answer_token_ids(receiver: ModelHandle, prompt: PromptSegments, answer: str) -> torch.Tensor:
+    """``[m]`` token ids of ``answer`` as read after ``prompt`` (a space goes before it when the prompt does not
+    end in whitespace, e.g. a base model's ``Answer:``). ``ValueError`` when the answer has no tokens."""
+    tail = receiver.tokenizer.decode(prompt.suffix_ids[-1:]) if prompt.suffix_ids.numel() else ""
+    sep = "" if tail[-1:].isspace() else " "
+    ids = torch.tensor(receiver.tokenizer(sep + answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError(f"the answer {answer!r} has no tokens")
+    return ids
+
+
 @torch.inference_mode()
 def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: str) -> float:
     """Mean negative log-likelihood (nats per token) of ``answer`` teacher-forced after the receiver's prompt of
-    ``context`` and ``instruction`` (one forward; a space goes before the answer when the prompt does not end in
-    whitespace, e.g. a base model's ``Answer:``). ``ValueError`` when the answer has no tokens."""
+    ``context`` and ``instruction`` (one forward; tokens as :func:`answer_token_ids`)."""
     prompt = receiver.format_prompt(context, instruction)
-    tail = receiver.tokenizer.decode(prompt.suffix_ids[-1:]) if prompt.suffix_ids.numel() else ""
-    sep = "" if tail[-1:].isspace() else " "
-    answer_ids = torch.tensor(receiver.tokenizer(sep + answer, add_special_tokens=False)["input_ids"],
-                              dtype=torch.long)
-    if answer_ids.numel() == 0:
-        raise ValueError(f"the answer {answer!r} has no tokens")
+    answer_ids = answer_token_ids(receiver, prompt, answer)
     m = answer_ids.numel()
     logits = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=m + 1).logits[:-1]
     return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
+
+
+def reference_continuations(receiver: ModelHandle, examples: list) -> list[torch.Tensor]:
+    """The first reference answer of each example as :func:`answer_token_ids` after its full prompt: what the
+    CTI's statistics pass reads teacher-forced (:func:`cachecert_agents.cti.single_pass.cti_inputs`) to give
+    :func:`likelihood_floor` its with-context NLLs (``with_context``) at no prefill of their own."""
+    return [answer_token_ids(receiver, receiver.format_prompt(ex.context, ex.instruction), ex.references[0])
+            for ex in examples]
 
 
 def mean_answer_probability(nlls: list[float]) -> float:
@@ -116,25 +130,29 @@ def require_references(workload: Workload, n: int) -> list:
 
 
 def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress: bool = True,
-                     earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+                     earlier: dict[str, Any] | None = None, with_context: Sequence[float] = ()) -> dict[str, Any]:
     """The floor without generation, on the first ``n`` calibration examples of ``workload``: ``floor = mean
     p_no_context / mean p_full`` with ``p = exp(-answer_nll)`` of the first reference (the geometric-mean
     probability of its tokens) after the full prompt and after the instruction alone. Returns the row with both
     means, the per-example NLLs and their example ids, and the receiver's weights fingerprint.
 
     ``earlier``: a row of this function on the first of the same examples; its per-example NLLs are kept and only
-    the examples it lacks are measured (growing a floor). ``ValueError`` when its ids are not the workload's first
-    calibration examples, as :func:`require_references`, on a non-finite NLL, or when the full-context probability
-    underflows to 0 everywhere."""
+    the examples it lacks are measured (growing a floor). ``with_context``: the with-context NLLs of the first
+    examples, already read by the CTI's statistics pass (:func:`reference_continuations`); only their no-context
+    NLLs are measured (``n_from_pass`` in the row counts them). ``ValueError`` when the earlier row's ids are not
+    the workload's first calibration examples, as :func:`require_references`, on a non-finite NLL, or when the
+    full-context probability underflows to 0 everywhere."""
     examples = require_references(workload, n)
     full = list(earlier["nll_full"]) if earlier else []
+    first_new = len(full)
     none = list(earlier["nll_no_context"]) if earlier else []
     if earlier and earlier["ids"] != [ex.id for ex in examples[:len(earlier["ids"])]]:
         raise ValueError(f"{receiver.name} {workload.name}: the earlier floor's examples are not the workload's first "
                          "calibration examples")
-    for ex in tqdm(examples[len(full):], desc=f"likelihood floor {receiver.name} {workload.name}",
-                   disable=not progress):
-        full.append(answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
+    for i, ex in enumerate(tqdm(examples[len(full):], desc=f"likelihood floor {receiver.name} {workload.name}",
+                                disable=not progress), start=len(full)):
+        full.append(with_context[i] if i < len(with_context)
+                    else answer_nll(receiver, ex.context, ex.instruction, ex.references[0]))
         none.append(answer_nll(receiver, "", ex.instruction, ex.references[0]))
         if not (math.isfinite(full[-1]) and math.isfinite(none[-1])):
             raise ValueError(f"{receiver.name} gives example {ex.id} of {workload.name} a non-finite answer NLL "
@@ -146,4 +164,5 @@ def likelihood_floor(receiver: ModelHandle, workload: Workload, n: int, progress
     return {"receiver": receiver.name, "workload": workload.name, "subset": "calibration", "measure": "likelihood",
             "n": len(full), "p_full": p_full, "p_no_context": p_none, "floor": p_none / p_full,
             "nll_full": full, "nll_no_context": none, "ids": [ex.id for ex in examples[:len(full)]],
+            "n_from_pass": max(0, min(len(with_context), len(full)) - first_new),
             "receiver_weights": receiver.weights_fingerprint}

@@ -82,10 +82,12 @@ def collect_statistics(sender: ModelHandle, receiver: ModelHandle, contexts: Ite
 def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandle, context: str, instruction: str,
                 splits: list[int], width: int = 3, hidden_width: int | None = None, anchor: int | None = None,
                 kv_until: int | None = None, queries: bool = False,
-                product_dtype: torch.dtype = torch.float32) -> ReceiverTargets:
+                product_dtype: torch.dtype = torch.float32, continuation: torch.Tensor | None = None
+                ) -> ReceiverTargets:
     """Run both models over one context and add its moments to ``stats`` (the body of
     :func:`collect_statistics`, whose docstring explains the arguments). Returns the receiver's targets, with its
-    recorded queries when ``queries`` (the CTI's single pass reuses them).
+    recorded queries when ``queries`` (the CTI's single pass reuses them) and the NLL of ``continuation`` read
+    after the whole prompt when one is given (:func:`~cachecert_agents.transfer.features.receiver_targets`).
 
     ``product_dtype``: one context's products are formed in float32 and added to the float64 running sums
     (:meth:`PairStatistics.add`); on a 3k-token context (SmolLM2 -> Qwen 0.5B) the moment updates took 9 s instead
@@ -93,7 +95,8 @@ def add_context(stats: PairStatistics, sender: ModelHandle, receiver: ModelHandl
     ls, lr = sender.geometry.num_layers + 1, receiver.geometry.num_layers + 1
     s_prompt = sender.format_prompt(context, instruction)
     r_prompt = receiver.format_prompt(context, instruction)
-    targets = receiver_targets(receiver, r_prompt, sorted(set(splits) | ({anchor} if anchor else set())), queries)
+    targets = receiver_targets(receiver, r_prompt, sorted(set(splits) | ({anchor} if anchor else set())), queries,
+                               continuation)
     anchor_x = rms_normalise(targets.hidden[anchor]) if anchor else None
     alignment = alignment_for(r_prompt.context_offsets, s_prompt.context_offsets)
     feats = sender_features(sender, s_prompt).on_receiver_tokens(alignment)

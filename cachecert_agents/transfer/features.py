@@ -89,27 +89,44 @@ def alignment_for(receiver_offsets: torch.Tensor, sender_offsets: torch.Tensor) 
 class ReceiverTargets:
     """``kv[l]`` ``[n_context, 2 * kv_heads * head_dim]`` pre-RoPE keys then values; ``hidden[s]``
     ``[n_context, hidden]`` residual stream entering layer ``s``; ``qk``, when asked for, the pre-RoPE queries
-    and keys of every token of ``prefix + context`` (what :class:`cachecert_agents.cti.queries.QueryAccumulator`
-    reads)."""
+    and keys of every token the prefill read (what :class:`cachecert_agents.cti.queries.QueryAccumulator` reads);
+    ``context_span``: the context's ``[start, end)`` token positions in that prefill; ``continuation_nll``: with a
+    continuation, its mean negative log-likelihood (nats per token) read teacher-forced after the whole prompt."""
 
     kv: list[torch.Tensor]
     hidden: dict[int, torch.Tensor]
     qk: QKCapture | None = None
+    context_span: tuple[int, int] = (0, 0)
+    continuation_nll: float | None = None
 
 
 def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list[int],
-                     queries: bool = False) -> ReceiverTargets:
+                     queries: bool = False, continuation: torch.Tensor | None = None) -> ReceiverTargets:
     """One receiver prefill over ``prefix + context``; returns the mapper's regression targets (and, with
-    ``queries``, the recorded queries and keys, so the CTI's query statistics need no second pass)."""
+    ``queries``, the recorded queries and keys, so the CTI's query statistics need no second pass).
+
+    ``continuation`` ``[m]`` token ids: the prefill reads the whole prompt and then these tokens teacher-forced
+    (one forward; causal, so the context's targets are unchanged) and returns their mean NLL, the with-context
+    half of the receiver's likelihood floor (:mod:`cachecert_agents.eval.receiver_floor`) at the price of the
+    suffix and continuation tokens only."""
     start, end = prompt.context_span
+    if continuation is None:
+        ids, keep = prompt.input_ids[:end], 1
+    else:
+        if continuation.numel() == 0:
+            raise ValueError("the continuation has no tokens")
+        ids, keep = torch.cat([prompt.input_ids, continuation.to(prompt.input_ids)]), continuation.numel() + 1
     # One forward over prefix + context: with no cache before it the attention runs its causal kernel, about 20%
     # faster on a 3k-token context than the prefix cache plus an explicit mask (same values to rounding).
     with receiver.capture_qk(queries=queries, keys=True, values=True) as cap:  # every token, sliding layers too
-        out = receiver.forward(prompt.input_ids[:end], output_hidden_states=True, logits_to_keep=1)
+        out = receiver.forward(ids, output_hidden_states=True, logits_to_keep=keep)
     kv = [flatten_kv(cap.key(layer)[:, :, start:end], cap.value(layer)[:, :, start:end])
           for layer in range(receiver.geometry.num_layers)]
     hidden = {s: out.hidden_states[s][start:end].float() for s in splits}
-    return ReceiverTargets(kv, hidden, cap if queries else None)
+    nll = None
+    if continuation is not None:
+        nll = float(torch.nn.functional.cross_entropy(out.logits[:-1].float(), continuation.to(out.logits.device)))
+    return ReceiverTargets(kv, hidden, cap if queries else None, (start, end), nll)
 
 
 def flatten_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
