@@ -274,10 +274,7 @@ def test_receiver_floor_on_the_real_model(smollm2, tmp_path):
     assert 0 <= row["floor"] < 1
 
 
-def test_likelihood_floor_on_the_real_model(smollm2):
-    """The likelihood floor of a real receiver: the reference answer is likelier after the context than without
-    it, so the floor lies below 1."""
-    from cachecert_agents.eval.receiver_floor import likelihood_floor
+def _door_codes():
     from cachecert_agents.eval.workloads import Example, HotpotQA
 
     class Codes(HotpotQA):
@@ -289,6 +286,37 @@ def test_likelihood_floor_on_the_real_model(smollm2):
                            split="calibration") for i, code in enumerate(["4711", "2390"])]
             return out[:limit]
 
-    row = likelihood_floor(smollm2, Codes(), n=2, progress=False)
+    return Codes()
+
+
+def test_likelihood_floor_on_the_real_model(smollm2):
+    """The likelihood floor of a real receiver: the reference answer is likelier after the context than without
+    it, so the floor lies below 1."""
+    from cachecert_agents.eval.receiver_floor import likelihood_floor
+
+    row = likelihood_floor(smollm2, _door_codes(), n=2, progress=False)
     assert row["n"] == 2 and row["p_full"] > row["p_no_context"] > 0
     assert 0 < row["floor"] < 1
+
+
+def test_the_cti_pass_reads_the_floor_answers_on_the_real_model(smollm2):
+    """The CTI's statistics pass reads the reference answers after their contexts (one prefill each): their NLLs
+    are those of a prefill of their own, the statistics those of the pass without them, and the floor built on
+    them is the floor measured separately."""
+    from cachecert_agents.cti.single_pass import cti_inputs
+    from cachecert_agents.eval.receiver_floor import answer_nll, likelihood_floor, reference_continuations
+
+    wl = _door_codes()
+    examples = wl.examples("calibration")
+    contexts = [(e.context, e.instruction) for e in examples]
+    plain = cti_inputs(smollm2, smollm2, contexts, [15], propagation_contexts=0, progress=False)
+    read = cti_inputs(smollm2, smollm2, contexts, [15], propagation_contexts=0, progress=False,
+                      continuations=reference_continuations(smollm2, examples))
+    for ex, nll in zip(examples, read.continuation_nll, strict=True):
+        assert nll == pytest.approx(answer_nll(smollm2, ex.context, ex.instruction, ex.references[0]), rel=1e-4)
+    for name in ("kv:0", "kv:29", "hidden:15"):
+        a, b = read.statistics.targets[name].xy, plain.statistics.targets[name].xy
+        assert float((a - b).norm() / b.norm()) < 1e-5, name
+    fused = likelihood_floor(smollm2, wl, 2, progress=False, with_context=read.continuation_nll)
+    assert fused["n_from_pass"] == 2
+    assert fused["floor"] == pytest.approx(likelihood_floor(smollm2, wl, 2, progress=False)["floor"], rel=1e-3)
