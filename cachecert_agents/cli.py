@@ -1394,7 +1394,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers with and without the context; receiver only, needs the workload's references) and "
                         "the retention it predicts with the index, 1 - (1 - floor) x 10^-CTI (docs/cti.md, "
                         "thirty-fifth session); with --statistics-contexts K the index's own pass reads the first "
-                        "min(N, K) answers after their contexts, so those cost no prefill of their own")
+                        "min(N, K) answers after their contexts, so those cost no prefill of their own; N >= 16 "
+                        "advised: smaller floors rank worse than the index alone in many draws (docs/cti.md)")
     p.add_argument("--out", help="write the results (and a .md beside) here, e.g. docs/results/cti.json")
     p.add_argument("--plots", default=None, help="folder for the plots (default: plots/ beside --out)")
     p.add_argument("--device", default="cpu", help="torch device the models and mapper run on (cpu, cuda, mps)")
