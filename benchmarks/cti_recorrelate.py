@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from cachecert_agents.cli import write_json_atomic
-from cachecert_agents.eval.cti_eval import TARGETS, correlate
+from cachecert_agents.eval.cti_eval import TARGETS, correlate, spearman
 
 
 def _pairs(ref: str) -> list[dict]:
@@ -32,6 +32,19 @@ def _summary(pairs: list[dict], rows: list[dict], target: str) -> dict:
     keys = ("n_points", "spearman_cti", "spearman_residual_fraction", "spearman_r2", "n_points_pure_kv",
             "spearman_cti_pure_kv", "spearman_residual_fraction_pure_kv", "spearman_r2_pure_kv")
     return {group: {k: c[k] for k in keys} for group, c in correlate(pairs, rows, target)["correlations"].items()}
+
+
+def _index_agreement(before: list[dict], after: list[dict], rows: list[dict], target: str) -> dict:
+    """How alike the two runs' indices are on the points both rank (same pair, workload and method): Spearman's
+    rho between them, and the largest absolute difference of the index."""
+    def by_point(pairs: list[dict]) -> dict:
+        return {(p["sender"], p["receiver"], p["workload"], p["method"]): p["cti"]
+                for p in correlate(pairs, rows, target)["points"]}
+
+    b, a = by_point(before), by_point(after)
+    shared = sorted(set(b) & set(a))
+    return {"n_points": len(shared), "spearman": spearman([b[k] for k in shared], [a[k] for k in shared]),
+            "max_abs_difference": max((abs(b[k] - a[k]) for k in shared), default=float("nan"))}
 
 
 def main() -> None:
@@ -58,11 +71,13 @@ def main() -> None:
         same = [p for p in after if (p["sender"], p["receiver"], p["workload"]) in keys]
         comparisons.append({"before": before_ref, "after": after_ref, "before_gcv": before[0].get("gcv", False),
                             "after_gcv": after[0].get("gcv", False), "target": args.target,
+                            "index_agreement": _index_agreement(before, same, rows, args.target),
                             "before_corr": _summary(before, rows, args.target),
                             "after_same_pairs": _summary(same, rows, args.target),
                             "after_all": _summary(after, rows, args.target)})
         print(before_ref, "->", after_ref, json.dumps({k: comparisons[-1][k]["pooled"]["spearman_cti"]
-                                                        for k in ("before_corr", "after_same_pairs", "after_all")}))
+                                                        for k in ("before_corr", "after_same_pairs", "after_all")}),
+              "index agreement", json.dumps(comparisons[-1]["index_agreement"]))
     write_json_atomic(Path(args.out), {"command": "python " + shlex.join(sys.argv),
                                        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                        "comparisons": comparisons})
