@@ -152,6 +152,9 @@ def main() -> None:
                     help="with --floors: measure only the examples the earlier floors lack, up to --examples, and "
                          "add them (the earlier per-example NLLs are kept)")
     ap.add_argument("--resamples", type=int, default=500, help="bootstrap draws of the floors' examples (>= 1)")
+    ap.add_argument("--restrict-to", default=None, metavar="CTI_FILE",
+                    help="rank only the pairs (sender, receiver, workload) that this other `cachecert cti` result "
+                         "holds: two indices compared on the same points")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated example counts: also rank with floors on the first k and on random "
                          "k-subsets of each floor's examples (--resamples draws each; by_size in the output)")
@@ -184,6 +187,10 @@ def main() -> None:
     generation = {(r["receiver"], r["workload"]): r["floor"]
                   for r in json.loads(Path(args.generation_floors).read_text())["results"]}
     pairs = json.loads(Path(args.cti).read_text())["results"]["pairs"]
+    if args.restrict_to:
+        keep = {(p["sender"], p["receiver"], p["workload"])
+                for p in json.loads(Path(args.restrict_to).read_text())["results"]["pairs"]}
+        pairs = [p for p in pairs if (p["sender"], p["receiver"], p["workload"]) in keep]
     transfer_rows = json.loads(Path(args.transfer).read_text())["results"]
     result = analyse(pairs, transfer_rows, floors, generation)
     result["robustness_exploratory"] = robustness(pairs, transfer_rows, floors, generation, args.resamples,
@@ -192,6 +199,7 @@ def main() -> None:
         result["by_size"] = by_size(pairs, transfer_rows, floors, generation,
                                     [int(k) for k in args.sizes.split(",")], args.resamples, args.seed)
     out = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(), "cti_file": args.cti,
+           "restricted_to": args.restrict_to,
            "transfer_file": args.transfer, "generation_floors_file": args.generation_floors,
            "examples": args.examples, **result, "floors_command": floors_command, "floors": floors}
     write_json_atomic(Path(args.out), out)
