@@ -497,18 +497,21 @@ def _cmd_bench_cti_cost(args: argparse.Namespace) -> int:
     if not args.json:
         c, m = row["cti"], row["mapper_route"]
         mapper_s = m["statistics_pass_s"] + m["heldout_pass_s"] + m["fit_s"]
-        ratios = ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_to_mapper_route"].items())
+
+        def ratio_text(ratios: dict[str, float]) -> str:
+            return ", ".join(f"{r:.4f} (n={n})" for n, r in ratios.items())
+
+        ratios = ratio_text(row["ratio_cti_to_mapper_route"])
         print(f"{row['sender']}->{row['receiver']} ({row['workload']}): CTI {c['total_s']:.1f} s (single pass "
               f"{c['single_pass_s']:.1f}, propagation "
               f"{c['propagation_pass_s']:.1f}, index {c['index_s']:.1f}); mapper {mapper_s:.1f} s + evaluation "
               f"{m['eval_s_per_example']:.1f} s/example; ratio {ratios}")
         for k, other in row.get("cti_by_contexts", {}).items():
-            print(f"  CTI on {k} contexts: {other['total_s']:.1f} s; ratio "
-                  + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_by_contexts"][k].items()))
+            print(f"  CTI on {k} contexts: {other['total_s']:.1f} s; ratio {ratio_text(row['ratio_by_contexts'][k])}")
         if "floor" in row:
             print(f"  with the likelihood floor ({row['floor']['examples']} examples, {row['floor']['from_pass']} "
                   f"read in the pass): {row['floor']['total_with_floor_s']:.1f} s; ratio "
-                  + ", ".join(f"{r:.4f} (n={n})" for n, r in row["ratio_cti_with_floor_to_mapper_route"].items()))
+                  f"{ratio_text(row['ratio_cti_with_floor_to_mapper_route'])}")
     _emit(row, args.json)
     return 0
 

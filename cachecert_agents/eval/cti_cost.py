@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecert_agents.cti.index import compute_cti
-from cachecert_agents.cti.single_pass import cti_inputs
+from cachecert_agents.cti.single_pass import CTIInputs, cti_inputs
 from cachecert_agents.eval.receiver_floor import likelihood_floor, reference_continuations, require_references
 from cachecert_agents.eval.transfer_eval import evaluate_transfer
 from cachecert_agents.eval.workloads import Workload
@@ -45,7 +45,7 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 
 def _cti_route(sender: ModelHandle, receiver: ModelHandle, workload: Workload, pairs: list[tuple[str, str]],
                splits: list[int], header: dict, statistics_contexts: int, propagation_contexts: int,
-               readers: list) -> tuple[dict[str, Any], Any]:
+               readers: list) -> tuple[dict[str, Any], CTIInputs]:
     """One timed CTI route on the first ``statistics_contexts`` contexts (single pass, reading ``readers``'
     reference answers, then the index): its report entry and the single pass's inputs."""
     inputs, pass_s = _timed(cti_inputs, sender, receiver, pairs[:statistics_contexts], splits, workload.name,

@@ -126,6 +126,12 @@ def write_cti_report(payload: dict, path: Path, plots: Path, stem: Callable[[str
     path.write_text("\n".join(lines) + "\n")
 
 
+def _ratio_text(ratios: dict[str, float], eval_examples: int) -> str:
+    """``1/N at n=E, 1/M at n=31 (extrapolated), ...`` for a cost ratio per evaluation-example count."""
+    return ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(eval_examples) else ' (extrapolated)'}"
+                     for n, v in ratios.items())
+
+
 def write_cti_cost_report(payload: dict, path: Path) -> None:
     """``cti_cost.md`` from ``cti_cost.json`` (rows of :func:`cachecert_agents.eval.cti_cost.cti_cost`)."""
     rows = payload["results"]
@@ -138,8 +144,7 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
               "route |"), "|---|---|---|---|---|---|"]
     for r in rows:
         c, m = r["cti"], r["mapper_route"]
-        ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
-                           for n, v in r["ratio_cti_to_mapper_route"].items())
+        ratios = _ratio_text(r["ratio_cti_to_mapper_route"], m["eval_examples"])
         passes = (f"{c['single_pass_s']:.0f} ({c['statistics_contexts']}, {c['statistics_tokens']})"
                   if "single_pass_s" in c else  # rows from before the single pass: separate statistics and queries
                   f"{c['statistics_pass_s']:.0f} ({c['statistics_contexts']}, {c['statistics_tokens']}) + queries "
@@ -160,8 +165,7 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
         for r in varied:
             m = r["mapper_route"]
             for k, c in r["cti_by_contexts"].items():
-                ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
-                                   for n, v in r["ratio_by_contexts"][k].items())
+                ratios = _ratio_text(r["ratio_by_contexts"][k], m["eval_examples"])
                 lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {k} ({c['statistics_tokens']}) "
                              f"| {c['single_pass_s']:.0f} / {c['propagation_pass_s']:.0f} / {c['index_s']:.1f} = "
                              f"**{c['total_s']:.0f}** | {c['index']:.3f} | {ratios} |")
@@ -175,8 +179,7 @@ def write_cti_cost_report(payload: dict, path: Path) -> None:
                   "floor / mapper route |", "|---|---|---|---|---|---|"]
         for r in floored:
             f, m = r["floor"], r["mapper_route"]
-            ratios = ", ".join(f"1/{1 / v:.0f} at n={n}{'' if n == str(m['eval_examples']) else ' (extrapolated)'}"
-                               for n, v in r["ratio_cti_with_floor_to_mapper_route"].items())
+            ratios = _ratio_text(r["ratio_cti_with_floor_to_mapper_route"], m["eval_examples"])
             lines.append(f"| {r['sender']} -> {r['receiver']} | {r['workload']} | {f['examples']} ({f['from_pass']}) "
                          f"| {f['floor_s']:.1f} | **{f['total_with_floor_s']:.0f}** | {ratios} |")
     lines += ["", "Commands:", ""] + [f"- `{r['command']}`" for r in rows]

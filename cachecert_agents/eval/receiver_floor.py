@@ -28,6 +28,7 @@ from cachecert_agents.eval.transfer_eval import current_records, record_settings
 from cachecert_agents.eval.workloads import Workload
 from cachecert_agents.jsonl import append_jsonl, read_jsonl
 from cachecert_agents.models.handle import ModelHandle, PromptSegments
+from cachecert_agents.transfer.features import continuation_nll
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,8 @@ def answer_nll(receiver: ModelHandle, context: str, instruction: str, answer: st
     ``context`` and ``instruction`` (one forward; tokens as :func:`answer_token_ids`)."""
     prompt = receiver.format_prompt(context, instruction)
     answer_ids = answer_token_ids(receiver, prompt, answer)
-    m = answer_ids.numel()
-    logits = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=m + 1).logits[:-1]
-    return float(torch.nn.functional.cross_entropy(logits.float(), answer_ids.to(logits.device)))
+    out = receiver.forward(torch.cat([prompt.input_ids, answer_ids]), logits_to_keep=answer_ids.numel() + 1)
+    return continuation_nll(out.logits, answer_ids)
 
 
 def reference_continuations(receiver: ModelHandle, examples: list) -> list[torch.Tensor]:

@@ -123,10 +123,15 @@ def receiver_targets(receiver: ModelHandle, prompt: PromptSegments, splits: list
     kv = [flatten_kv(cap.key(layer)[:, :, start:end], cap.value(layer)[:, :, start:end])
           for layer in range(receiver.geometry.num_layers)]
     hidden = {s: out.hidden_states[s][start:end].float() for s in splits}
-    nll = None
-    if continuation is not None:
-        nll = float(torch.nn.functional.cross_entropy(out.logits[:-1].float(), continuation.to(out.logits.device)))
+    nll = None if continuation is None else continuation_nll(out.logits, continuation)
     return ReceiverTargets(kv, hidden, cap if queries else None, (start, end), nll)
+
+
+def continuation_nll(logits: torch.Tensor, continuation: torch.Tensor) -> float:
+    """Mean negative log-likelihood (nats per token) of ``continuation`` ``[m]`` read teacher-forced, from the
+    logits ``[m + 1, vocab]`` of the last ``m + 1`` positions of a forward over prompt + continuation (position
+    ``i`` predicts token ``i`` of the continuation; the last position predicts past it and is dropped)."""
+    return float(torch.nn.functional.cross_entropy(logits[:-1].float(), continuation.to(logits.device)))
 
 
 def flatten_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
